@@ -1,0 +1,37 @@
+"""MoE compute kernels, imported as `mox.kernels`. Math only: nothing from the rest of mox.
+
+    fused_moe(x[T,H], w13[S,2I,H], w2[S,H,I], topk_weights[T,k] f32, topk_ids[T,k] int32,
+              slot_of[E] int32, activation="silu", backend="auto") -> [T,H]
+
+`w13` holds gate rows then up rows. Experts are read through `slot_of` (logical expert ->
+slot, or NOT_RESIDENT); a token routed to a non-resident expert gets nothing from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .moe_torch import NOT_RESIDENT, fused_moe_torch, reference_fused_moe
+from .routing import softmax_topk
+
+BACKENDS = ("auto", "torch")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
+              activation: str = "silu", backend: str = "auto") -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_slots, two_inter, _ = w13.shape
+    assert w13.shape == (num_slots, two_inter, hidden), w13.shape
+    assert w2.shape == (num_slots, hidden, two_inter // 2), w2.shape
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
+    assert topk_ids.dtype == torch.int32 and slot_of.dtype == torch.int32
+    assert topk_weights.dtype == torch.float32
+    if activation != "silu":
+        raise ValueError(f"unsupported activation {activation!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of)
+
+
+__all__ = ["NOT_RESIDENT", "fused_moe", "reference_fused_moe", "softmax_topk"]

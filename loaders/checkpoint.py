@@ -1,0 +1,120 @@
+"""A Hugging Face checkpoint folder: config, shards, every tensor's byte range, and the expert
+index (layer, expert) -> byte ranges that the expert pager streams from."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError
+from .reader import FileSet
+from .safetensors_format import TensorInfo, read_header
+from .spec import ModelSpec, load_spec
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One expert's three weights on disk: gate and up `[I, H]`, down `[H, I]`."""
+
+    gate: TensorInfo
+    up: TensorInfo
+    down: TensorInfo
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+class Checkpoint:
+    """Read-only view of a checkpoint folder. Dense tensors load whole; experts by range."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(self.path, "checkpoint folder does not exist")
+        self.spec: ModelSpec = load_spec(self.path)
+        self.tensors: dict[str, TensorInfo] = _index_tensors(self.path)
+        self.experts: dict[tuple[int, int], ExpertTensors] = _expert_index(self)
+        self.files = FileSet()
+
+    def info(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(self.path, f"missing tensor {name!r}")
+        return info
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A dense tensor read whole from disk, converted to `dtype`."""
+        tensor = self.files.read(self.info(name))
+        return tensor if dtype is None else tensor.to(dtype)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert as stored (every expert of a model has the same shape)."""
+        return next(iter(self.experts.values())).nbytes if self.experts else 0
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _index_tensors(path: str) -> dict[str, TensorInfo]:
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index_path):
+        weight_map = _read_weight_map(index_path)
+        shards = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+        if not shards:
+            raise CheckpointError(path, "no *.safetensors files in the checkpoint folder")
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        shard_path = os.path.join(path, shard)
+        if not os.path.isfile(shard_path):
+            raise CheckpointError(shard_path, f"shard listed in {INDEX_FILE} is missing")
+        tensors.update(read_header(shard_path))
+    for name, shard in (weight_map or {}).items():
+        if name not in tensors or os.path.basename(tensors[name].file) != shard:
+            raise CheckpointError(os.path.join(path, shard),
+                                  f"tensor {name!r} listed in {INDEX_FILE} is not in this shard")
+    return tensors
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(index_path, f"corrupt index file: {e}") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(index_path, "corrupt index file: weight_map is not an object")
+    return weight_map
+
+
+def _expert_index(ckpt: Checkpoint) -> dict[tuple[int, int], ExpertTensors]:
+    spec, naming = ckpt.spec, ckpt.spec.naming
+    inter, hidden = spec.moe_intermediate_size, spec.hidden_size
+    index = {}
+    for layer in range(spec.num_layers):
+        if not spec.moe_layers[layer]:
+            continue
+        for expert in range(spec.num_experts):
+            prefix = naming.expert_prefix(layer, expert)
+            gate, up, down = (ckpt.info(f"{prefix}.{proj}.weight")
+                              for proj in (naming.gate, naming.up, naming.down))
+            for info, shape in ((gate, (inter, hidden)), (up, (inter, hidden)),
+                                (down, (hidden, inter))):
+                if info.shape != shape:
+                    raise CheckpointError(info.file, f"tensor {info.name!r} has shape "
+                                          f"{list(info.shape)}, config.json implies {list(shape)}")
+            index[layer, expert] = ExpertTensors(gate, up, down)
+    return index
