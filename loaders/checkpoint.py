@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CheckpointError
+from .layout import expected_tensors, expert_tensors
 from .reader import FileSet
 from .safetensors_format import TensorInfo, read_header
 from .spec import ModelSpec, load_spec
@@ -40,8 +41,18 @@ class Checkpoint:
             raise CheckpointError(self.path, "checkpoint folder does not exist")
         self.spec: ModelSpec = load_spec(self.path)
         self.tensors: dict[str, TensorInfo] = _index_tensors(self.path)
+        self._check_layout()
         self.experts: dict[tuple[int, int], ExpertTensors] = _expert_index(self)
         self.files = FileSet()
+
+    def _check_layout(self) -> None:
+        """Every tensor the spec implies is present with its shape: a mismatched file fails
+        here, naming the file and tensor, not later inside a matmul."""
+        for name, shape in expected_tensors(self.spec).items():
+            info = self.info(name)
+            if info.shape != shape:
+                raise CheckpointError(info.file, f"tensor {name!r} has shape "
+                                      f"{list(info.shape)}, config.json implies {list(shape)}")
 
     def info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
@@ -101,20 +112,8 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
 
 
 def _expert_index(ckpt: Checkpoint) -> dict[tuple[int, int], ExpertTensors]:
-    spec, naming = ckpt.spec, ckpt.spec.naming
-    inter, hidden = spec.moe_intermediate_size, spec.hidden_size
-    index = {}
-    for layer in range(spec.num_layers):
-        if not spec.moe_layers[layer]:
-            continue
-        for expert in range(spec.num_experts):
-            prefix = naming.expert_prefix(layer, expert)
-            gate, up, down = (ckpt.info(f"{prefix}.{proj}.weight")
-                              for proj in (naming.gate, naming.up, naming.down))
-            for info, shape in ((gate, (inter, hidden)), (up, (inter, hidden)),
-                                (down, (hidden, inter))):
-                if info.shape != shape:
-                    raise CheckpointError(info.file, f"tensor {info.name!r} has shape "
-                                          f"{list(info.shape)}, config.json implies {list(shape)}")
-            index[layer, expert] = ExpertTensors(gate, up, down)
-    return index
+    spec = ckpt.spec
+    return {(layer, expert): ExpertTensors(*(ckpt.info(name) for name in
+                                             expert_tensors(spec, layer, expert)))
+            for layer in range(spec.num_layers) if spec.moe_layers[layer]
+            for expert in range(spec.num_experts)}

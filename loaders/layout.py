@@ -1,0 +1,75 @@
+"""The Hugging Face tensor layout of a `ModelSpec`: every tensor name a published checkpoint
+of that architecture has, with its shape. The loader validates checkpoints against it and the
+demo builder writes it, so both agree with the real thing by construction."""
+
+from __future__ import annotations
+
+from .spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
+
+Shape = tuple[int, ...]
+
+
+def expected_tensors(spec: ModelSpec) -> dict[str, Shape]:
+    hidden = spec.hidden_size
+    shapes: dict[str, Shape] = {"model.embed_tokens.weight": (spec.vocab_size, hidden)}
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        shapes.update(_attention(spec, f"{prefix}.self_attn"))
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if spec.moe_layers[layer]:
+            shapes.update(_moe(spec, layer))
+        else:
+            shapes.update(mlp_tensors(f"{prefix}.mlp", hidden, spec.dense_intermediate_size))
+    shapes["model.norm.weight"] = (hidden,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    return shapes
+
+
+def expert_tensors(spec: ModelSpec, layer: int, expert: int) -> dict[str, Shape]:
+    """Gate, up, down of one expert, in that order."""
+    naming, hidden, inter = spec.naming, spec.hidden_size, spec.moe_intermediate_size
+    prefix = naming.expert_prefix(layer, expert)
+    return {f"{prefix}.{naming.gate}.weight": (inter, hidden),
+            f"{prefix}.{naming.up}.weight": (inter, hidden),
+            f"{prefix}.{naming.down}.weight": (hidden, inter)}
+
+
+def mlp_tensors(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
+    return {f"{prefix}.gate_proj.weight": (inter, hidden),
+            f"{prefix}.up_proj.weight": (inter, hidden),
+            f"{prefix}.down_proj.weight": (hidden, inter)}
+
+
+def _attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
+    hidden, q_width = spec.hidden_size, spec.num_heads * spec.head_dim
+    kv_width = spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, Shape] = {f"{prefix}.q_proj.weight": (q_width, hidden),
+                                f"{prefix}.k_proj.weight": (kv_width, hidden),
+                                f"{prefix}.v_proj.weight": (kv_width, hidden),
+                                f"{prefix}.o_proj.weight": (hidden, q_width)}
+    if spec.qkv_bias:
+        shapes.update({f"{prefix}.q_proj.bias": (q_width,), f"{prefix}.k_proj.bias": (kv_width,),
+                       f"{prefix}.v_proj.bias": (kv_width,)})
+    if spec.o_bias:
+        shapes[f"{prefix}.o_proj.bias"] = (hidden,)
+    if spec.qk_norm == QK_NORM_PER_HEAD:
+        shapes.update({f"{prefix}.q_norm.weight": (spec.head_dim,),
+                       f"{prefix}.k_norm.weight": (spec.head_dim,)})
+    elif spec.qk_norm == QK_NORM_FULL:
+        shapes.update({f"{prefix}.q_norm.weight": (q_width,),
+                       f"{prefix}.k_norm.weight": (kv_width,)})
+    return shapes
+
+
+def _moe(spec: ModelSpec, layer: int) -> dict[str, Shape]:
+    shapes: dict[str, Shape] = {spec.naming.router(layer): (spec.num_experts, spec.hidden_size)}
+    for expert in range(spec.num_experts):
+        shapes.update(expert_tensors(spec, layer, expert))
+    if spec.has_shared_expert:
+        prefix = f"model.layers.{layer}.mlp"
+        shapes.update(mlp_tensors(f"{prefix}.shared_expert", spec.hidden_size,
+                                  spec.shared_expert_intermediate_size))
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, spec.hidden_size)
+    return shapes
