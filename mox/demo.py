@@ -1,0 +1,187 @@
+"""Demo and benchmark checkpoints, built locally and deterministically from a seed.
+
+Each is a real Hugging Face checkpoint: config.json as published for its architecture, bf16
+safetensors shards with the exact tensor names (`loaders.layout`), an index file, a trained
+BPE tokenizer.json and tokenizer_config.json. Weights are random; the layout and byte sizes
+are what matter. `routing_skew` > 0 scales each expert's router row so that expert
+popularity follows a Zipf law with that exponent (trained routers are skewed; random ones
+route almost uniformly).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from mox.demo_tokenizer import EOS, build_tokenizer, write_tokenizer
+from mox.loaders import parse_config
+from mox.loaders.layout import expected_tensors
+from mox.loaders.writer import write_json_atomic, write_sharded
+
+DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
+BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
+TOKENIZER_VOCAB = 2048               # the BPE trainer stops earlier on the small corpus
+CALIBRATION_TOKENS = 8192            # samples to fit the Zipf gate scales
+CALIBRATION_STEPS = 60
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    vocab: int | None = None            # None: the tokenizer's own size
+
+
+# Demo sizes keep each architecture's flavour (expert counts, top-k) at tens of MB.
+DEMO_SIZES = {
+    "mixtral": Size(256, 4, 8, 4, 32, experts=8, top_k=2, moe_intermediate=512),
+    "qwen2_moe": Size(256, 4, 8, 4, 32, experts=16, top_k=4, moe_intermediate=128),
+    "qwen3_moe": Size(256, 4, 8, 4, 64, experts=32, top_k=4, moe_intermediate=128),
+    "olmoe": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
+}
+# Realistic proportions: ~1.6 GB of experts and ~0.2 GB of dense weights in bf16.
+BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
+
+
+def demo_name(arch: str, preset: str = "demo") -> str:
+    return f"{arch.replace('_', '-')}-{preset}"
+
+
+def hf_config(arch: str, size: Size, vocab: int) -> dict:
+    """config.json as a published checkpoint of `arch` writes it."""
+    common = {
+        "model_type": arch, "vocab_size": vocab, "hidden_size": size.hidden,
+        "num_hidden_layers": size.layers, "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "num_experts_per_tok": size.top_k, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "eos_token_id": 0, "bos_token_id": 0,
+    }
+    if arch == "mixtral":
+        return {**common, "architectures": ["MixtralForCausalLM"], "sliding_window": None,
+                "num_local_experts": size.experts, "intermediate_size": size.moe_intermediate,
+                "head_dim": size.head_dim}
+    if arch == "olmoe":
+        assert size.head_dim * size.heads == size.hidden, "olmoe's k_norm assumes H = h * d"
+        return {**common, "architectures": ["OlmoeForCausalLM"], "num_experts": size.experts,
+                "intermediate_size": size.moe_intermediate, "norm_topk_prob": False,
+                "clip_qkv": None, "attention_bias": False}
+    qwen = {**common, "num_experts": size.experts, "moe_intermediate_size": size.moe_intermediate,
+            "intermediate_size": 4 * size.moe_intermediate, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "use_sliding_window": False, "head_dim": size.head_dim}
+    if arch == "qwen2_moe":
+        return {**qwen, "architectures": ["Qwen2MoeForCausalLM"], "norm_topk_prob": False,
+                "shared_expert_intermediate_size": 4 * size.moe_intermediate, "qkv_bias": True}
+    if arch == "qwen3_moe":
+        return {**qwen, "architectures": ["Qwen3MoeForCausalLM"], "norm_topk_prob": True,
+                "attention_bias": False}
+    raise ValueError(f"no demo for architecture {arch!r}")
+
+
+def zipf_gate_scales(num_experts: int, top_k: int, exponent: float,
+                     rng: np.random.Generator) -> np.ndarray:
+    """Per-expert router-row scales whose top-k routing frequencies follow Zipf(exponent).
+
+    Router logits of a normalized hidden state against random rows are ~ independent
+    N(0, scale_e^2); we fit the scales by fixed-point iteration on such samples. The
+    popularity ranks are a random permutation, so each layer has its own hot experts.
+    """
+    if exponent == 0:
+        return np.ones(num_experts)
+    ranks = rng.permutation(num_experts) + 1
+    target = ranks ** -float(exponent)
+    target = np.minimum(top_k * target / target.sum(), 1.0)   # each expert at most once/token
+    samples = rng.standard_normal((CALIBRATION_TOKENS, num_experts))
+    scales = np.ones(num_experts)
+    for _ in range(CALIBRATION_STEPS):
+        chosen = np.argpartition(-samples * scales, top_k - 1, axis=1)[:, :top_k]
+        freq = np.bincount(chosen.ravel(), minlength=num_experts) / CALIBRATION_TOKENS
+        scales *= np.sqrt(target / np.maximum(freq, 1.0 / CALIBRATION_TOKENS))
+        scales /= scales.max()
+    return scales
+
+
+class _Weights:
+    """Deterministic random weights: each tensor seeded by (seed, name), so a tensor's bytes
+    do not depend on which other tensors exist or their order."""
+
+    def __init__(self, seed: int, num_experts: int, top_k: int, routing_skew: float) -> None:
+        self.seed, self.num_experts, self.top_k = seed, num_experts, top_k
+        self.routing_skew = routing_skew
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        name_seed = zlib.crc32(name.encode()) ^ self.seed
+        gen = torch.Generator().manual_seed(name_seed)
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        if name.endswith(".bias"):
+            return 0.1 * torch.randn(shape, generator=gen)
+        if name == "model.embed_tokens.weight":
+            return torch.randn(shape, generator=gen)
+        weight = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        if name.endswith(".gate.weight") and shape[0] == self.num_experts:   # router
+            rng = np.random.default_rng(name_seed)
+            scales = zipf_gate_scales(self.num_experts, self.top_k, self.routing_skew, rng)
+            weight *= torch.from_numpy(scales).float()[:, None]
+        return weight
+
+
+def build_checkpoint(out_dir: str, arch: str, size: Size, seed: int = 0,
+                     routing_skew: float = 0.0, max_shard_bytes: int = DEMO_SHARD_BYTES) -> str:
+    """Write a complete checkpoint into `out_dir` (built aside, then renamed into place, so an
+    interrupted build never leaves a half checkpoint). Returns `out_dir`."""
+    tokenizer = build_tokenizer(TOKENIZER_VOCAB)
+    config = hf_config(arch, size, size.vocab or tokenizer.get_vocab_size())
+    config["eos_token_id"] = config["bos_token_id"] = tokenizer.token_to_id(EOS)
+    spec = parse_config(config)
+    shapes = expected_tensors(spec)
+    weights = _Weights(seed, size.experts, size.top_k, routing_skew)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".building-", dir=parent)
+    try:
+        write_json_atomic(os.path.join(tmp, "config.json"), config)
+        write_json_atomic(os.path.join(tmp, "generation_config.json"),
+                          {"eos_token_id": config["eos_token_id"], "do_sample": True})
+        write_tokenizer(tmp, tokenizer)
+        write_sharded(tmp, shapes, torch.bfloat16, lambda n: weights(n, shapes[n]),
+                      max_shard_bytes)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_home() -> str:
+    return os.environ.get("MOX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mox")
+
+
+def ensure_demo_models(home: str | None = None, preset: str = "demo",
+                       routing_skew: float = 0.0) -> dict[str, str]:
+    """Build whichever demo checkpoints are missing under `home`/models; name -> path."""
+    home = home or default_home()
+    paths = {}
+    for i, arch in enumerate(DEMO_ARCHITECTURES):
+        name = demo_name(arch, preset)
+        path = os.path.join(home, "models", name)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            size = DEMO_SIZES[arch] if preset == "demo" else replace(BENCH_SIZE)
+            shard = DEMO_SHARD_BYTES if preset == "demo" else BENCH_SHARD_BYTES
+            build_checkpoint(path, arch, size, seed=i, routing_skew=routing_skew,
+                             max_shard_bytes=shard)
+        paths[name] = path
+    return paths
