@@ -30,6 +30,9 @@ BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
 TOKENIZER_VOCAB = 2048               # the BPE trainer stops earlier on the small corpus
 CALIBRATION_TOKENS = 8192            # samples to fit the Zipf gate scales
 CALIBRATION_STEPS = 60
+# Scaling a router row cannot lift an expert above ~1/2 of tokens: its logit is zero-mean, so
+# it is negative for half of them. Targets are capped a little below that.
+MAX_SCALED_FREQUENCY = 0.45
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,7 @@ def zipf_gate_scales(num_experts: int, top_k: int, exponent: float,
     if exponent == 0:
         return np.ones(num_experts)
     ranks = rng.permutation(num_experts) + 1
-    target = ranks ** -float(exponent)
-    target = np.minimum(top_k * target / target.sum(), 1.0)   # each expert at most once/token
+    target = zipf_frequencies(ranks, top_k, exponent)
     samples = rng.standard_normal((CALIBRATION_TOKENS, num_experts))
     scales = np.ones(num_experts)
     for _ in range(CALIBRATION_STEPS):
@@ -112,6 +114,21 @@ def zipf_gate_scales(num_experts: int, top_k: int, exponent: float,
         scales *= np.sqrt(target / np.maximum(freq, 1.0 / CALIBRATION_TOKENS))
         scales /= scales.max()
     return scales
+
+
+def zipf_frequencies(ranks: np.ndarray, top_k: int, exponent: float) -> np.ndarray:
+    """Fraction of tokens routed to the expert of each rank: Zipf(exponent), summing to top_k,
+    capped at MAX_SCALED_FREQUENCY with the excess shared by the others in proportion."""
+    weights = ranks ** -float(exponent)
+    capped = np.zeros(len(ranks), dtype=bool)
+    while True:
+        free_mass = top_k - MAX_SCALED_FREQUENCY * capped.sum()
+        target = np.where(capped, MAX_SCALED_FREQUENCY,
+                          free_mass * weights / weights[~capped].sum())
+        over = ~capped & (target > MAX_SCALED_FREQUENCY)
+        if not over.any():
+            return target
+        capped |= over
 
 
 class _Weights:

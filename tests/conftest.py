@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny real checkpoints written by transformers' `save_pretrained`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=96, num_experts_per_tok=2,
+            max_position_embeddings=256,
+            # a wide init so logits are of order 1, which makes the 1e-4 parity bound meaningful
+            initializer_range=0.2)
+
+# name -> (model_type, config overrides). Each case turns on a feature of the decoder.
+CASES = {
+    "mixtral": ("mixtral", dict(num_local_experts=4)),
+    "mixtral-sliding": ("mixtral", dict(num_local_experts=4, sliding_window=6)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=6, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=48, num_hidden_layers=3,
+                                    decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=16, head_dim=16,
+                                    norm_topk_prob=True, tie_word_embeddings=True)),
+    "olmoe": ("olmoe", dict(num_experts=8, clip_qkv=3.0, norm_topk_prob=False)),
+}
+
+
+def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
+                       seed: int = 0):
+    """Save a random-weight transformers model of `case` to `path`; returns the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = CASES[case]
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """case -> (checkpoint folder, transformers model); built once per session."""
+    root = tmp_path_factory.mktemp("hf")
+    built = {}
+    for case in CASES:
+        path = os.path.join(root, case)
+        built[case] = (path, make_hf_checkpoint(path, case))
+    return built
+
+
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory):
+    from mox.demo import ensure_demo_models
+
+    home = str(tmp_path_factory.mktemp("mox_home"))
+    ensure_demo_models(home)
+    return home

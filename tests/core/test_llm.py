@@ -1,0 +1,93 @@
+"""The offline API on the demo checkpoints (bf16, as served)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mox import LLM
+from mox.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm(demo_home):
+    return LLM(os.path.join(demo_home, "models", "qwen3-moe-demo"))
+
+
+def test_generates_text_from_prompts(llm):
+    outs = llm.generate(["Hello, my name is", "The capital of France"], max_tokens=8,
+                        temperature=0.0, ignore_eos=True)
+    assert len(outs) == 2
+    for out in outs:
+        assert len(out.token_ids) == 8 and out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(out.token_ids) and out.text
+
+
+def test_prompts_and_token_ids_give_the_same_greedy_result(llm):
+    ids = llm.tokenizer.encode("Hello world")
+    by_text = llm.generate("Hello world", max_tokens=6, temperature=0.0)[0]
+    by_ids = llm.generate(prompt_token_ids=[ids], max_tokens=6, temperature=0.0)[0]
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt_token_ids == ids
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    run = lambda seed: llm.generate("Once upon a time", max_tokens=10, temperature=1.0,
+                                    top_p=0.9, seed=seed)[0].token_ids
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_stop_token_ends_generation(llm):
+    greedy = llm.generate("Hello", max_tokens=10, temperature=0.0, ignore_eos=True)[0]
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate("Hello", max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])[0]
+    assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_truncates_text(llm):
+    greedy = llm.generate("Hello", max_tokens=12, temperature=0.0, ignore_eos=True)[0]
+    stop = greedy.text[len(greedy.text) // 2:][:2]
+    out = llm.generate("Hello", max_tokens=12, temperature=0.0, stop=[stop], ignore_eos=True)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == greedy.text[:greedy.text.find(stop)]
+    assert stop not in out.text
+
+
+def test_eos_ends_generation_unless_ignored(llm, monkeypatch):
+    greedy = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]
+    eos = greedy.token_ids[2]
+    first = greedy.token_ids.index(eos)
+    monkeypatch.setattr(llm, "eos_token_ids", (eos,))
+    out = llm.generate("Hello", max_tokens=8, temperature=0.0)[0]
+    assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+    ignored = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]
+    assert ignored.token_ids == greedy.token_ids and ignored.finish_reason == "length"
+
+
+def test_eos_ids_come_from_the_checkpoint(llm):
+    assert llm.eos_token_ids == (llm.tokenizer.eos_token_id,)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(), "exactly one"),
+    (dict(prompts="a", prompt_token_ids=[[1]]), "exactly one"),
+    (dict(prompt_token_ids=[[]]), "empty prompt"),
+    (dict(prompt_token_ids=[[10**9]]), "token ids"),
+    (dict(prompts="a", max_tokens=0), "max_tokens"),
+])
+def test_bad_requests_are_refused(llm, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate(**kwargs)
+
+
+def test_prompt_longer_than_context_is_refused(llm):
+    too_long = [1] * llm.model.spec.max_position_embeddings
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate(prompt_token_ids=[too_long])
+
+
+def test_float16_on_cpu_is_refused(demo_home):
+    with pytest.raises(InvalidRequestError, match="float16"):
+        LLM(os.path.join(demo_home, "models", "olmoe-demo"), dtype="float16")

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox.errors import InvalidRequestError
+from mox.sampling import SamplingParams, sample
+
+
+def _draws(params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
+    gen = params.new_generator(torch.device("cpu"))
+    return [sample(logits, params, gen) for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(50)
+    assert sample(logits, SamplingParams(temperature=0.0), torch.Generator()) == logits.argmax()
+
+
+def test_seed_makes_sampling_reproducible():
+    logits = torch.randn(50)
+    a = _draws(SamplingParams(seed=7), logits, 20)
+    assert a == _draws(SamplingParams(seed=7), logits, 20)
+    assert a != _draws(SamplingParams(seed=8), logits, 20)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(50)
+    assert set(_draws(SamplingParams(top_k=1, seed=0), logits, 10)) == {int(logits.argmax())}
+    assert set(_draws(SamplingParams(top_p=1e-6, seed=0), logits, 10)) == {int(logits.argmax())}
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = torch.randn(50)
+    best = set(torch.topk(logits, 3).indices.tolist())
+    assert set(_draws(SamplingParams(top_k=3, temperature=5.0, seed=1), logits, 200)) <= best
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.tensor([3.0, 2.9, 0.0, -1.0, -2.0])   # the first two hold ~0.88
+    drawn = set(_draws(SamplingParams(top_p=0.8, seed=2), logits, 200))
+    assert drawn == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0),
+                                    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
+                                    dict(top_k=-5), dict(stop=("",))])
+def test_invalid_parameters_are_refused(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)

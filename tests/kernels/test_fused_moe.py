@@ -1,0 +1,74 @@
+"""The torch fused-MoE path against the plain reference, through arbitrary slot maps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox.kernels import NOT_RESIDENT, fused_moe, reference_fused_moe, softmax_topk
+
+
+def _problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype, seed=0,
+             num_missing=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_slots, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_slots, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = softmax_topk(logits, k, renormalize=True)
+    # a scattered residency table: experts sit in arbitrary slots, some not resident
+    slots = torch.randperm(num_slots, generator=gen)[:num_experts].to(torch.int32)
+    missing = torch.randperm(num_experts, generator=gen)[:num_missing]
+    slots[missing] = NOT_RESIDENT
+    return x, w13, w2, weights, ids, slots
+
+
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,k,num_slots", [
+    (1, 16, 8, 4, 2, 4), (7, 32, 16, 8, 2, 12), (33, 64, 32, 16, 4, 20), (64, 32, 48, 6, 6, 6),
+])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_torch_path_matches_reference(num_tokens, hidden, inter, num_experts, k, num_slots,
+                                      dtype, atol):
+    args = _problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype)
+    expected = reference_fused_moe(*args)
+    actual = fused_moe(*args, backend="torch")
+    assert actual.dtype == dtype and actual.shape == (num_tokens, hidden)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def test_non_resident_experts_contribute_nothing():
+    x, w13, w2, weights, ids, slots = _problem(20, 16, 8, 8, 2, 8, torch.float32, num_missing=3)
+    out = fused_moe(x, w13, w2, weights, ids, slots)
+    resident = slots[ids.long()] != NOT_RESIDENT                       # [T, k]
+    kept = torch.where(resident, weights, torch.zeros_like(weights))
+    full_slots = slots.clone()
+    full_slots[full_slots == NOT_RESIDENT] = 0    # any slot: its weight is zeroed above
+    torch.testing.assert_close(out, fused_moe(x, w13, w2, kept, ids, full_slots))
+
+
+def test_moving_an_expert_to_another_slot_changes_nothing():
+    x, w13, w2, weights, ids, slots = _problem(16, 16, 8, 4, 2, 8, torch.float32)
+    before = fused_moe(x, w13, w2, weights, ids, slots)
+    free = next(s for s in range(8) if s not in slots.tolist())
+    w13[free], w2[free] = w13[slots[2]], w2[slots[2]]
+    slots[2] = free
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, slots), before)
+
+
+def test_softmax_topk_matches_definition():
+    logits = torch.randn(10, 8)
+    weights, ids = softmax_topk(logits, 3, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    assert (weights[:, :1] >= probs.max(-1, keepdim=True).values - 1e-7).all()
+    renormed, _ = softmax_topk(logits, 3, renormalize=True)
+    torch.testing.assert_close(renormed.sum(-1), torch.ones(10))
+
+
+def test_bad_arguments_are_refused():
+    args = _problem(4, 16, 8, 4, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        fused_moe(*args, backend="cuda-magic")
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(*args, activation="gelu")
