@@ -32,9 +32,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo_build(args: argparse.Namespace) -> int:
-    from mox.demo import ensure_demo_models
+    from mox.demo import DEMO_ARCHITECTURES, ensure_demo_models
 
-    for name, path in ensure_demo_models(args.home, args.preset, args.routing_skew).items():
+    architectures = tuple(args.arch) if args.arch else DEMO_ARCHITECTURES
+    models = ensure_demo_models(args.home, args.preset, args.routing_skew, architectures)
+    for name, path in models.items():
         print(f"{name}\t{path}")
     return 0
 
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build the demo checkpoints into MOX_HOME")
     demo.add_argument("--home")
     demo.add_argument("--preset", choices=("demo", "bench"), default="demo")
+    demo.add_argument("--arch", action="append",
+                      choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+                      help="build only these architectures (repeatable; default all)")
     demo.add_argument("--routing-skew", type=float, default=0.0,
                       help="Zipf exponent of expert popularity (0 = uniform)")
     demo.set_defaults(func=_demo_build)

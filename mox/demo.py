@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,9 +25,11 @@ from mox.loaders.layout import expected_tensors
 from mox.loaders.writer import write_json_atomic, write_sharded
 
 DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+PRESETS = ("demo", "bench")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
 TOKENIZER_VOCAB = 2048               # the BPE trainer stops earlier on the small corpus
+CHECKPOINT_DIR_MODE, CHECKPOINT_FILE_MODE = 0o755, 0o644   # readable by a server's own user
 CALIBRATION_TOKENS = 8192            # samples to fit the Zipf gate scales
 CALIBRATION_STEPS = 60
 # Scaling a router row cannot lift an expert above ~1/2 of tokens: its logit is zero-mean, so
@@ -59,8 +61,9 @@ DEMO_SIZES = {
 BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
 
 
-def demo_name(arch: str, preset: str = "demo") -> str:
-    return f"{arch.replace('_', '-')}-{preset}"
+def demo_name(arch: str, preset: str = "demo", routing_skew: float = 0.0) -> str:
+    skew = f"-skew{routing_skew:g}" if routing_skew else ""
+    return f"{arch.replace('_', '-')}-{preset}{skew}"
 
 
 def hf_config(arch: str, size: Size, vocab: int) -> dict:
@@ -170,12 +173,15 @@ def build_checkpoint(out_dir: str, arch: str, size: Size, seed: int = 0,
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".building-", dir=parent)
     try:
+        os.chmod(tmp, CHECKPOINT_DIR_MODE)
         write_json_atomic(os.path.join(tmp, "config.json"), config)
         write_json_atomic(os.path.join(tmp, "generation_config.json"),
                           {"eos_token_id": config["eos_token_id"], "do_sample": True})
         write_tokenizer(tmp, tokenizer)
         write_sharded(tmp, shapes, torch.bfloat16, lambda n: weights(n, shapes[n]),
                       max_shard_bytes)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), CHECKPOINT_FILE_MODE)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     finally:
@@ -188,17 +194,20 @@ def default_home() -> str:
 
 
 def ensure_demo_models(home: str | None = None, preset: str = "demo",
-                       routing_skew: float = 0.0) -> dict[str, str]:
-    """Build whichever demo checkpoints are missing under `home`/models; name -> path."""
+                       routing_skew: float = 0.0,
+                       architectures: tuple[str, ...] = DEMO_ARCHITECTURES) -> dict[str, str]:
+    """Build whichever of these checkpoints are missing under `home`/models; name -> path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
     home = home or default_home()
     paths = {}
-    for i, arch in enumerate(DEMO_ARCHITECTURES):
-        name = demo_name(arch, preset)
+    for arch in architectures:
+        name = demo_name(arch, preset, routing_skew)
         path = os.path.join(home, "models", name)
         if not os.path.exists(os.path.join(path, "config.json")):
-            size = DEMO_SIZES[arch] if preset == "demo" else replace(BENCH_SIZE)
+            size = DEMO_SIZES[arch] if preset == "demo" else BENCH_SIZE
             shard = DEMO_SHARD_BYTES if preset == "demo" else BENCH_SHARD_BYTES
-            build_checkpoint(path, arch, size, seed=i, routing_skew=routing_skew,
-                             max_shard_bytes=shard)
+            build_checkpoint(path, arch, size, seed=DEMO_ARCHITECTURES.index(arch),
+                             routing_skew=routing_skew, max_shard_bytes=shard)
         paths[name] = path
     return paths
