@@ -77,11 +77,6 @@ class ModelSpec:
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
 
-    @property
-    def num_expert_params(self) -> int:
-        """Elements of one expert (gate + up + down); times the dtype size gives its bytes."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
 
 def load_spec(checkpoint_dir: str) -> ModelSpec:
     path = os.path.join(checkpoint_dir, "config.json")

@@ -28,7 +28,7 @@ class ExpertPool:
         """Every slot holds at most one (layer, expert)."""
         used = self.slot_of[self.slot_of != NOT_RESIDENT]
         assert used.unique().numel() == used.numel(), "a slot is mapped twice"
-        assert int(used.max(initial=-1)) < self.w13.shape[0]
+        assert used.numel() == 0 or int(used.max()) < self.w13.shape[0], "slot out of range"
 
 
 def load_all_experts(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> ExpertPool:

@@ -59,6 +59,7 @@ def test_kv_cache_decode_equals_full_recomputation(hf_checkpoints, case):
     pieces += [model.forward(ids[i:i + 1], cache) for i in range(5, ids.numel())]
     torch.testing.assert_close(torch.cat(pieces), full, atol=LOGIT_ATOL, rtol=0)
     assert cache.num_tokens == ids.numel()
+    model.experts.check_integrity()
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
