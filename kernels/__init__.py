@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from .moe_config import MoEKernelConfig, get_config
 from .moe_torch import NOT_RESIDENT, fused_moe_torch, reference_fused_moe
+from .moe_triton import fused_moe_triton, is_interpreter
 from .routing import softmax_topk
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -31,7 +33,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"unsupported activation {activation!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of)
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of)
 
 
-__all__ = ["NOT_RESIDENT", "fused_moe", "reference_fused_moe", "softmax_topk"]
+__all__ = ["NOT_RESIDENT", "MoEKernelConfig", "fused_moe", "fused_moe_torch", "fused_moe_triton",
+           "get_config", "is_interpreter", "reference_fused_moe", "softmax_topk"]

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run only under the interpreter, which must be chosen before
+# any kernel is decorated, i.e. before mox.kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=96, num_experts_per_tok=2,

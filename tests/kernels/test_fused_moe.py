@@ -6,21 +6,7 @@ import pytest
 import torch
 
 from mox.kernels import NOT_RESIDENT, fused_moe, reference_fused_moe, softmax_topk
-
-
-def _problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype, seed=0,
-             num_missing=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(num_slots, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(num_slots, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
-    weights, ids = softmax_topk(logits, k, renormalize=True)
-    # a scattered residency table: experts sit in arbitrary slots, some not resident
-    slots = torch.randperm(num_slots, generator=gen)[:num_experts].to(torch.int32)
-    missing = torch.randperm(num_experts, generator=gen)[:num_missing]
-    slots[missing] = NOT_RESIDENT
-    return x, w13, w2, weights, ids, slots
+from tests.kernels.problems import make_problem
 
 
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,k,num_slots", [
@@ -29,7 +15,7 @@ def _problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype, seed=0
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_torch_path_matches_reference(num_tokens, hidden, inter, num_experts, k, num_slots,
                                       dtype, atol):
-    args = _problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype)
+    args = make_problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype)
     expected = reference_fused_moe(*args)
     actual = fused_moe(*args, backend="torch")
     assert actual.dtype == dtype and actual.shape == (num_tokens, hidden)
@@ -37,7 +23,8 @@ def test_torch_path_matches_reference(num_tokens, hidden, inter, num_experts, k,
 
 
 def test_non_resident_experts_contribute_nothing():
-    x, w13, w2, weights, ids, slots = _problem(20, 16, 8, 8, 2, 8, torch.float32, num_missing=3)
+    x, w13, w2, weights, ids, slots = make_problem(20, 16, 8, 8, 2, 8, torch.float32,
+                                                   num_missing=3)
     out = fused_moe(x, w13, w2, weights, ids, slots)
     resident = slots[ids.long()] != NOT_RESIDENT                       # [T, k]
     kept = torch.where(resident, weights, torch.zeros_like(weights))
@@ -47,7 +34,7 @@ def test_non_resident_experts_contribute_nothing():
 
 
 def test_moving_an_expert_to_another_slot_changes_nothing():
-    x, w13, w2, weights, ids, slots = _problem(16, 16, 8, 4, 2, 8, torch.float32)
+    x, w13, w2, weights, ids, slots = make_problem(16, 16, 8, 4, 2, 8, torch.float32)
     before = fused_moe(x, w13, w2, weights, ids, slots)
     free = next(s for s in range(8) if s not in slots.tolist())
     w13[free], w2[free] = w13[slots[2]], w2[slots[2]]
@@ -67,7 +54,7 @@ def test_softmax_topk_matches_definition():
 
 
 def test_bad_arguments_are_refused():
-    args = _problem(4, 16, 8, 4, 2, 4, torch.float32)
+    args = make_problem(4, 16, 8, 4, 2, 4, torch.float32)
     with pytest.raises(ValueError, match="backend"):
         fused_moe(*args, backend="cuda-magic")
     with pytest.raises(ValueError, match="activation"):
