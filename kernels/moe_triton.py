@@ -84,11 +84,11 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, num_padded_ptr,
-                    num_pairs, num_m_blocks, H, I, top_k,
+                    num_pairs, num_m_blocks, hidden, inter, top_k,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_op, stride_oi,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
-    pid_m, pid_n = _block_coords(num_m_blocks, I, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _block_coords(num_m_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -99,12 +99,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, n
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     g_ptrs = w13_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-    u_ptrs = g_ptrs + I * stride_wn
-    n_ok = offs_n < I
+    u_ptrs = g_ptrs + inter * stride_wn
+    n_ok = offs_n < inter
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(H, BLOCK_K)):
-        k_ok = offs_k < H - step * BLOCK_K
+    for step in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_ok = offs_k < hidden - step * BLOCK_K
         a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -126,11 +126,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, n
 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-                 num_padded_ptr, num_pairs, num_m_blocks, H, I,
+                 num_padded_ptr, num_pairs, num_m_blocks, hidden, inter,
                  stride_ap, stride_ai, stride_ws, stride_wh, stride_wi, stride_op, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
-    pid_m, pid_n = _block_coords(num_m_blocks, H, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _block_coords(num_m_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -140,10 +140,10 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_ap + offs_k[None, :] * stride_ai
     b_ptrs = w2_ptr + slot * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi
-    n_ok = offs_n < H
+    n_ok = offs_n < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(I, BLOCK_K)):
-        k_ok = offs_k < I - step * BLOCK_K
+    for step in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_ok = offs_k < inter - step * BLOCK_K
         a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
