@@ -52,7 +52,10 @@ def _load(path: str) -> dict[int, MoEKernelConfig] | None:
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        return {int(m): MoEKernelConfig(**cfg) for m, cfg in json.load(f).items()}
+        table = json.load(f)   # token count -> config (plus a recorded timing, ignored)
+    fields = MoEKernelConfig.__dataclass_fields__
+    return {int(m): MoEKernelConfig(**{k: v for k, v in cfg.items() if k in fields})
+            for m, cfg in table.items()}
 
 
 def get_config(num_experts: int, inter: int, device_name: str, dtype: torch.dtype,
