@@ -25,4 +25,6 @@ python3 -m mox.bench.tune_moe --experts 8 --hidden 4096 --inter 14336 --top-k 2 
 python3 -m mox.bench.tune_moe --experts 128 --hidden 2048 --inter 768 --top-k 8 \
     --budget-s "$TUNE_BUDGET" --out "$OUT/configs" 2>&1 | tee -a "$OUT/tune.log"
 cp "$OUT"/configs/*.json kernels/configs/ 2>/dev/null
+# config names hold "=" and ",", which $OUT cannot return: pack them
+tar -cf "$OUT/configs.tar" -C "$OUT/configs" . && rm -r "$OUT/configs"
 python3 -m mox.bench.gpu_kernels --out "$OUT" --phase tuned 2>&1 | tee "$OUT/tuned.log"
