@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .moe_config import MoEKernelConfig, get_config
-from .moe_torch import NOT_RESIDENT, fused_moe_torch, reference_fused_moe
+from .moe_torch import NOT_RESIDENT, MoEWorkspace, fused_moe_torch, reference_fused_moe
 from .moe_triton import fused_moe_triton, is_interpreter
 from .routing import sigmoid_grouped_topk, softmax_topk, topk_softmax
 
@@ -21,7 +21,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
-              activation: str = "silu", backend: str = "auto") -> torch.Tensor:
+              activation: str = "silu", backend: str = "auto",
+              workspace: MoEWorkspace | None = None) -> torch.Tensor:
+    """`workspace` (torch path only) keeps buffers across calls; pass one per caller."""
     num_tokens, hidden = x.shape
     num_slots, two_inter, _ = w13.shape
     assert w13.shape == (num_slots, two_inter, hidden), w13.shape
@@ -35,9 +37,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
     if backend == "triton" or (backend == "auto" and x.is_cuda):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of)
-    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of)
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, workspace)
 
 
-__all__ = ["NOT_RESIDENT", "MoEKernelConfig", "fused_moe", "fused_moe_torch", "fused_moe_triton",
-           "get_config", "is_interpreter", "reference_fused_moe", "sigmoid_grouped_topk",
-           "softmax_topk", "topk_softmax"]
+__all__ = ["NOT_RESIDENT", "MoEKernelConfig", "MoEWorkspace", "fused_moe", "fused_moe_torch",
+           "fused_moe_triton", "get_config", "is_interpreter", "reference_fused_moe",
+           "sigmoid_grouped_topk", "softmax_topk", "topk_softmax"]

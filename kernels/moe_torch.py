@@ -1,42 +1,106 @@
-"""Fused MoE on CPU (and the fallback anywhere): one matmul per resident expert over a
-contiguous block of its tokens, then a single scatter-add.
+"""Fused MoE on CPU (and the fallback anywhere): sort the (token, expert) pairs by slot, run
+each slot's contiguous block of rows through its expert, weight the rows, and scatter-add them
+into the output once.
 
-Legend: T tokens, k experts per token, E logical experts, S slots, H hidden, I intermediate.
+Legend: T tokens, k experts per token, P = T*k pairs, E logical experts, S slots,
+H hidden, I intermediate.
+
+Two ways to run the per-slot GEMMs, picked by how many rows an expert gets on average:
+- few rows (decode, short prefills): `torch.nn.functional.grouped_mm` over all slots at once,
+  where this torch has it on this device; one call replaces E Python-level matmuls, which
+  dominate when each is a handful of rows and the weights stream from memory;
+- many rows: one `torch.mm` per slot into preallocated buffers, which on CPU beats grouped_mm
+  once each expert has a few hundred rows (measured: bench/results/kernels_cpu.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 NOT_RESIDENT = -1
+# Above this many rows per active expert the per-slot loop wins over grouped_mm on CPU.
+GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
+
+
+@dataclass
+class MoEWorkspace:
+    """Reused buffers, grown on demand: fresh multi-MB tensors cost page faults every call
+    (~3 GB/s into fresh memory against ~15 GB/s into reused). Owned by one caller, one
+    call at a time."""
+
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(rows * cols, 1), dtype=dtype, device=device)
+            self.buffers[name] = buf
+        return buf[:rows * cols].view(rows, cols)
+
+
+def _has_grouped_mm(x: torch.Tensor) -> bool:
+    return hasattr(F, "grouped_mm") and x.device.type == "cpu"
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    slot_of: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
+                    workspace: MoEWorkspace | None = None) -> torch.Tensor:
+    ws = workspace or MoEWorkspace()
     num_tokens, k = topk_ids.shape
-    inter = w2.shape[2]
-    slots = slot_of[topk_ids.long()].reshape(-1)                   # [T*k]
-    order = torch.argsort(slots, stable=True)                      # [T*k] pairs grouped by slot
-    sorted_slots = slots[order]
-    token_of = order // k                                          # [T*k]
-    weight_of = topk_weights.reshape(-1)[order]                    # [T*k] f32
-    run_slots, run_lengths = torch.unique_consecutive(sorted_slots, return_counts=True)
-    # fp32 accumulation: k bf16 contributions summed in bf16 lose ~3 bits each.
-    contrib = torch.zeros(order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for slot, length in zip(run_slots.tolist(), run_lengths.tolist()):
-        end = start + length
-        if slot != NOT_RESIDENT:
-            rows = x[token_of[start:end]]                          # [n, H]
-            gate_up = rows @ w13[slot].t()                         # [n, 2I]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
-            contrib[start:end] = (act @ w2[slot].t()).float() * weight_of[start:end, None]
-        start = end
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    num_slots, hidden, inter = w2.shape
+    slots = slot_of[topk_ids.long()].reshape(-1)                          # [P]
+    order = torch.argsort(slots, stable=True)                             # [P] NOT_RESIDENT first
+    counts = torch.bincount(slots + 1, minlength=num_slots + 1)           # [S+1], [0]: absent
+    num_absent = int(counts[0])
+    order = order[num_absent:]                                            # [P'] resident pairs
+    counts = counts[1:]                                                   # [S]
+    token_of = order // k                                                 # [P']
+    num_rows = order.numel()
+    rows = ws.get("rows", num_rows, hidden, x.dtype, x.device)
+    torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
+    num_active = int((counts > 0).sum())
+    if _has_grouped_mm(x) and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(num_active, 1):
+        down = _grouped_experts(rows, w13, w2, counts)
+    else:
+        down = _looped_experts(rows, w13, w2, counts, ws)                 # [P', H]
+    contrib = ws.get("contrib", num_rows, hidden, torch.float32, x.device)
+    # fp32 accumulation: k bf16 contributions summed in bf16 lose ~3 bits each
+    torch.mul(down, topk_weights.reshape(-1)[order, None], out=contrib)
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, contrib)
     return out.to(x.dtype)
+
+
+def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     counts: torch.Tensor) -> torch.Tensor:
+    inter = w2.shape[2]
+    offsets = counts.cumsum(0).to(torch.int32)                            # [S] group ends
+    gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=offsets)       # [P', 2I]
+    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])             # [P', I]
+    return F.grouped_mm(act, w2.transpose(1, 2), offs=offsets)            # [P', H]
+
+
+def _looped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    counts: torch.Tensor, ws: MoEWorkspace) -> torch.Tensor:
+    num_rows, inter, hidden = rows.shape[0], w2.shape[2], w2.shape[1]
+    gate_up = ws.get("gate_up", num_rows, 2 * inter, rows.dtype, rows.device)
+    act = ws.get("act", num_rows, inter, rows.dtype, rows.device)
+    down = ws.get("down", num_rows, hidden, rows.dtype, rows.device)
+    start = 0
+    for slot, length in enumerate(counts.tolist()):                       # one host sync
+        if length == 0:
+            continue
+        end = start + length
+        torch.mm(rows[start:end], w13[slot].t(), out=gate_up[start:end])
+        torch.mul(F.silu(gate_up[start:end, :inter]), gate_up[start:end, inter:],
+                  out=act[start:end])
+        torch.mm(act[start:end], w2[slot].t(), out=down[start:end])
+        start = end
+    return down
 
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -7,11 +7,11 @@ kernels already read through the slot map, so the pager only changes who fills i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from mox.kernels import NOT_RESIDENT
+from mox.kernels import NOT_RESIDENT, MoEWorkspace
 from mox.loaders import Checkpoint, ExpertTensors
 
 
@@ -20,6 +20,7 @@ class ExpertPool:
     w13: torch.Tensor          # [S, 2I, H]
     w2: torch.Tensor           # [S, H, I]
     slot_of: torch.Tensor      # [L_moe, E] int32: row m is MoE layer m's residency table
+    workspace: MoEWorkspace = field(default_factory=MoEWorkspace)   # kernel scratch, reused
 
     def slot_map(self, moe_layer: int) -> torch.Tensor:
         return self.slot_of[moe_layer]                      # [E] int32

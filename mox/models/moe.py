@@ -29,7 +29,8 @@ def moe_block(spec: ModelSpec, w: MoEWeights, pool: ExpertPool, x: torch.Tensor)
     """x `[T, H]` -> `[T, H]`."""
     logits = F.linear(x, w.router)                                        # [T, E]
     topk_weights, topk_ids = softmax_topk(logits, spec.top_k, spec.norm_topk_prob)  # [T, k]
-    out = fused_moe(x, pool.w13, pool.w2, topk_weights, topk_ids, pool.slot_map(w.moe_layer))
+    out = fused_moe(x, pool.w13, pool.w2, topk_weights, topk_ids, pool.slot_map(w.moe_layer),
+                    backend="auto", workspace=pool.workspace)
     if w.shared_expert is not None:
         gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))          # [T, 1]
         out = out + gate * w.shared_expert(x)
