@@ -15,10 +15,13 @@ import msgspec
 import torch
 
 from mox.errors import CheckpointError, InvalidRequestError
+from mox.eviction import POLICIES
 from mox.loaders import Checkpoint
-from mox.models import MoEDecoder, load_model
+from mox.models import MoEDecoder, open_model
+from mox.pager import make_pager
 from mox.sampling import SamplingParams, sample
 from mox.tokenizer import Tokenizer
+from mox.units import parse_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -47,13 +50,30 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16"):
+    """`expert_memory`: device bytes for this model's expert slots (None: all resident);
+    `host_memory`: a RAM cache of expert bytes between disk and device (None: off);
+    `policy`: eviction policy (lru, lfu, rate); `prefetch`: predict and preload the next
+    layer's experts."""
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
+                 expert_memory: int | str | None = None, host_memory: int | str | None = None,
+                 policy: str = "rate", prefetch: bool = True, direct_io: bool = False):
+        if policy not in POLICIES:
+            raise InvalidRequestError(f"unknown policy {policy!r}; choose from {POLICIES}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.checkpoint = Checkpoint(model)
-        self.model: MoEDecoder = load_model(self.checkpoint, self.dtype, self.device)
+        self.pager = make_pager(self.device, parse_size(host_memory), direct_io)
+        self.model: MoEDecoder = open_model(self.checkpoint, self.dtype, self.device,
+                                            self.pager, parse_size(expert_memory), policy,
+                                            prefetch)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint.path)
         self.eos_token_ids = _eos_token_ids(self.checkpoint, self.tokenizer)
+
+    def pager_stats(self) -> dict:
+        """hits, misses, prefetch_hits, bytes_read (disk + host), read_seconds,
+        peak_resident_bytes, budget_bytes, evictions, waves, ..."""
+        return self.pager.stats(self.checkpoint.path)
 
     def generate(self, prompts: str | list[str] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, max_tokens: int = 16,

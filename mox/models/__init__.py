@@ -1,6 +1,6 @@
 """Model forward: one generic MoE decoder for mixtral, qwen2_moe, qwen3_moe and olmoe."""
 
 from mox.models.decoder import MoEDecoder
-from mox.models.loading import load_model
+from mox.models.loading import load_model, open_model
 
-__all__ = ["MoEDecoder", "load_model"]
+__all__ = ["MoEDecoder", "load_model", "open_model"]

@@ -8,9 +8,24 @@ from mox.loaders import Checkpoint
 from mox.loaders.spec import QK_NORM_NONE, ModelSpec
 from mox.models.attention import AttentionWeights
 from mox.models.decoder import LayerWeights, MoEDecoder
-from mox.models.experts import load_all_experts
+from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 from mox.models.moe import MoEWeights
+from mox.pager import ExpertPager
+
+
+def open_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+               pager: ExpertPager, expert_budget: int | None, policy: str = "rate",
+               prefetch: bool = True) -> MoEDecoder:
+    """Register the model's experts with the pager (all of them loaded now when there is no
+    budget) and read its dense weights."""
+    pager.add_model(ckpt.path, ckpt, dtype, device, expert_budget, policy)
+    experts = ModelExperts(pager, ckpt.path, prefetch_enabled=prefetch)
+    if expert_budget is None:
+        for moe_layer in range(pager.num_moe_layers(ckpt.path)):
+            for _ in experts.waves(moe_layer, range(ckpt.spec.num_experts)):
+                pass
+    return load_model(ckpt, dtype, device, experts)
 
 
 class _DenseReader:
@@ -23,7 +38,9 @@ class _DenseReader:
         return self.ckpt.load(name).to(device=self.device, dtype=self.dtype)
 
 
-def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> MoEDecoder:
+def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+               experts: ModelExperts) -> MoEDecoder:
+    """The dense weights, read now; the experts stay with the pager (`experts`)."""
     spec = ckpt.spec
     read = _DenseReader(ckpt, dtype, device)
     embed = read("model.embed_tokens.weight")
@@ -46,7 +63,6 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> Mo
             attention=_attention_weights(spec, read, f"{prefix}.self_attn"),
             mlp=mlp))
     final_norm = read("model.norm.weight")
-    experts = load_all_experts(ckpt, dtype, device)
     return MoEDecoder(spec, embed, layers, final_norm, lm_head, experts)
 
 

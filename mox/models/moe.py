@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mox.kernels import fused_moe, softmax_topk
 from mox.loaders.spec import ModelSpec
-from mox.models.experts import ExpertPool
+from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 
 
@@ -25,12 +25,24 @@ class MoEWeights:
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
 
 
-def moe_block(spec: ModelSpec, w: MoEWeights, pool: ExpertPool, x: torch.Tensor) -> torch.Tensor:
-    """x `[T, H]` -> `[T, H]`."""
-    logits = F.linear(x, w.router)                                        # [T, E]
-    topk_weights, topk_ids = softmax_topk(logits, spec.top_k, spec.norm_topk_prob)  # [T, k]
-    out = fused_moe(x, pool.w13, pool.w2, topk_weights, topk_ids, pool.slot_map(w.moe_layer),
-                    backend="auto", workspace=pool.workspace)
+def route(spec: ModelSpec, router: torch.Tensor,
+          x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, H]` -> top-k weights `[T, k]` f32 and expert ids `[T, k]` int32."""
+    return softmax_topk(F.linear(x, router), spec.top_k, spec.norm_topk_prob)
+
+
+def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
+              x: torch.Tensor) -> torch.Tensor:
+    """x `[T, H]` -> `[T, H]`. Experts come in waves from the pager: the resident ones first
+    (computed while misses load), then the rest as they arrive; each wave's slot map holds
+    only its experts, so every (token, expert) pair is computed exactly once."""
+    topk_weights, topk_ids = route(spec, w.router, x)                     # [T, k]
+    out = None
+    for lease in experts.waves(w.moe_layer, topk_ids.unique().tolist()):
+        part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
+                         backend="auto", workspace=experts.workspace)
+        out = part.float() if out is None else out + part                 # f32 across waves
+    out = out.to(x.dtype)
     if w.shared_expert is not None:
         gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))          # [T, 1]
         out = out + gate * w.shared_expert(x)

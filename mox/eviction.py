@@ -1,0 +1,98 @@
+"""Eviction policies: which unleased resident expert of a model's pool gives up its slot.
+
+Interface (all calls under the pager's lock, so implementations need no locking):
+    on_access(key, now)   the expert was used by a step (a hit or a completed load)
+    on_evict(key)         the expert left the pool
+    victim(candidates, now) -> key   choose among unleased resident experts (non-empty)
+    score(key, now) -> float         how much the pool wants to keep it (higher = keep)
+Keys are (moe_layer, expert).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+ExpertKey = tuple[int, int]
+POLICIES = ("lru", "lfu", "rate")
+# Activation frequencies halve after this long without use: long enough to span a burst of
+# requests, short enough that yesterday's traffic does not pin today's slots.
+RATE_HALF_LIFE_S = 60.0
+
+
+class EvictionPolicy:
+    def on_access(self, key: ExpertKey, now: float) -> None:
+        raise NotImplementedError
+
+    def on_evict(self, key: ExpertKey) -> None:
+        pass
+
+    def score(self, key: ExpertKey, now: float) -> float:
+        raise NotImplementedError
+
+    def victim(self, candidates: Iterable[ExpertKey], now: float) -> ExpertKey:
+        return min(candidates, key=lambda key: self.score(key, now))
+
+
+@dataclass
+class LRUPolicy(EvictionPolicy):
+    last_used: dict[ExpertKey, float] = field(default_factory=dict)
+
+    def on_access(self, key: ExpertKey, now: float) -> None:
+        self.last_used[key] = now
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self.last_used.pop(key, None)
+
+    def score(self, key: ExpertKey, now: float) -> float:
+        return self.last_used.get(key, -math.inf)
+
+
+@dataclass
+class LFUPolicy(EvictionPolicy):
+    """Use counts survive eviction, so an expert that was popular comes back as popular."""
+
+    counts: dict[ExpertKey, int] = field(default_factory=dict)
+    last_used: dict[ExpertKey, float] = field(default_factory=dict)
+
+    def on_access(self, key: ExpertKey, now: float) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.last_used[key] = now
+
+    def score(self, key: ExpertKey, now: float) -> float:
+        # ties (common right after a cold start) go to the least recently used
+        return self.counts.get(key, 0) + 1e-12 * self.last_used.get(key, 0.0)
+
+
+@dataclass
+class RatePolicy(EvictionPolicy):
+    """Model request rate x exponentially decayed activation frequency of the expert. Within
+    one pool the rate scales every score alike; it matters when the router compares models."""
+
+    half_life_s: float = RATE_HALF_LIFE_S
+    request_rate: float = 1.0
+    freq: dict[ExpertKey, tuple[float, float]] = field(default_factory=dict)   # value, at time
+
+    def _decayed(self, key: ExpertKey, now: float) -> float:
+        value, at = self.freq.get(key, (0.0, now))
+        return value * 0.5 ** ((now - at) / self.half_life_s)
+
+    def on_access(self, key: ExpertKey, now: float) -> None:
+        self.freq[key] = (self._decayed(key, now) + 1.0, now)
+
+    def set_rate(self, requests_per_s: float) -> None:
+        self.request_rate = requests_per_s
+
+    def score(self, key: ExpertKey, now: float) -> float:
+        return self.request_rate * self._decayed(key, now)
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "rate":
+        return RatePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; choose from {POLICIES}")

@@ -1,0 +1,102 @@
+"""Moving one expert's bytes into a slot: from the host cache if it has them, else from disk
+through the streaming reader; then into the pool tensors on the compute device.
+
+Runs on the reader's I/O threads, outside the pager's lock: the target slot is reserved
+(pinned, loading), so nothing else touches it until the load commits.
+- CPU pool in the checkpoint's dtype: `preadv` straight into the slot's memory, no copy.
+- Otherwise bytes land in a staging buffer (per thread, reused; pinned for CUDA) and are
+  converted / copied into the slot; on CUDA the copy runs on a side stream and the I/O thread
+  waits on its event before reusing the buffer, so the compute stream never stalls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mox.host_cache import CacheKey, HostCache
+from mox.loaders import ExpertTensors
+from mox.loaders.stream import ByteRange, StreamingReader
+from mox.slot_pool import SlotPool
+
+FROM_DISK, FROM_HOST = "disk", "host"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    source: str          # FROM_DISK or FROM_HOST
+    nbytes: int
+    seconds: float
+
+
+def expert_ranges(tensors: ExpertTensors, label: str) -> list[ByteRange]:
+    return [ByteRange(t.file, t.offset, t.nbytes, f"{label} {t.name}")
+            for t in (tensors.gate, tensors.up, tensors.down)]
+
+
+class ExpertLoader:
+    def __init__(self, reader: StreamingReader, host_cache: HostCache | None) -> None:
+        self.reader = reader
+        self.host_cache = host_cache
+        self._local = threading.local()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def load(self, pool: SlotPool, index: int, tensors: ExpertTensors, cache_key: CacheKey,
+             label: str) -> LoadResult:
+        start = time.perf_counter()
+        infos = (tensors.gate, tensors.up, tensors.down)
+        destinations = (pool.w13[index, :pool.inter], pool.w13[index, pool.inter:],
+                        pool.w2[index])
+        cached = self.host_cache.get(cache_key) if self.host_cache else None
+        if cached is not None:
+            source = FROM_HOST
+            self._copy_in(destinations, _split(cached, infos), pool.device)
+        elif self.host_cache is None and _can_read_in_place(pool, infos):
+            source = FROM_DISK
+            self.reader.read_into(expert_ranges(tensors, label), destinations)
+        else:
+            source = FROM_DISK
+            raw = (self.host_cache.new_buffer(tensors.nbytes) if self.host_cache
+                   else self._staging(tensors.nbytes, pool.device))
+            parts = _split(raw, infos)
+            self.reader.read_into(expert_ranges(tensors, label), parts)
+            self._copy_in(destinations, parts, pool.device)
+            if self.host_cache:
+                self.host_cache.put(cache_key, raw)
+        return LoadResult(source, tensors.nbytes, time.perf_counter() - start)
+
+    def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            self._local.staging = buf
+        return buf[:nbytes]
+
+    def _copy_in(self, destinations, parts, device: torch.device) -> None:
+        if device.type != "cuda":
+            for dst, src in zip(destinations, parts):
+                dst.copy_(src)
+            return
+        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            for dst, src in zip(destinations, parts):
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()     # blocks this I/O thread only; the slot commits after
+
+
+def _can_read_in_place(pool: SlotPool, infos) -> bool:
+    return pool.device.type == "cpu" and all(i.dtype == pool.dtype for i in infos)
+
+
+def _split(raw: torch.Tensor, infos) -> list[torch.Tensor]:
+    """Views of one byte buffer as the expert's three tensors, in their checkpoint dtype."""
+    parts, pos = [], 0
+    for info in infos:
+        parts.append(raw[pos:pos + info.nbytes].view(info.dtype).view(info.shape))
+        pos += info.nbytes
+    return parts

@@ -1,0 +1,365 @@
+"""The expert pager: each model's experts stream from disk (or the host cache) into a budgeted
+slot pool on the compute device, on demand, and stay while they are worth their slot.
+
+Design note.
+- A MoE layer step asks for the experts its tokens route to through `waves()`. The first wave
+  is what is already resident (pinned at once, computed while the misses load on the I/O
+  threads); later waves are the misses, loaded into free slots or slots of unleased experts
+  the model's eviction policy gives up. When a step needs more experts than the pool holds (a
+  long prefill), each wave releases its slots before the next loads: compute, page the next
+  group over the finished one, continue. A pool of >= top_k slots always progresses.
+- `prefetch()` queues loads without blocking; a prefetched expert counts a prefetch hit on
+  first use. It evicts only experts outside the layers the caller protects.
+- One lock guards every pool's tables; I/O threads write slot bytes outside it (the slot is
+  reserved) and commit under it. A failed load frees its slot and its error reaches the step
+  that waits for it; the tables never show a slot with partial bytes.
+- Budget: occupied slots x expert bytes stay within the model's budget, except for experts
+  leased when the budget shrank, which leave as their leases end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from mox.errors import MoxError
+from mox.eviction import EvictionPolicy, ExpertKey, make_policy
+from mox.expert_loader import FROM_HOST, ExpertLoader, LoadResult
+from mox.host_cache import HostCache
+from mox.kernels import NOT_RESIDENT, MoEWorkspace
+from mox.loaders import Checkpoint
+from mox.loaders.stream import StreamingReader
+from mox.slot_pool import SlotPool
+
+
+@dataclass
+class PagerStats:
+    hits: int = 0
+    misses: int = 0
+    prefetch_hits: int = 0
+    prefetches: int = 0
+    bytes_read_disk: int = 0
+    bytes_read_host: int = 0
+    read_seconds: float = 0.0
+    evictions: int = 0
+    waves: int = 0
+    peak_resident_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Experts of one layer pinned for one wave; `slot_map [E]` maps only them."""
+
+    model: str
+    moe_layer: int
+    slots: tuple[int, ...]
+    slot_map: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+@dataclass
+class _Model:
+    name: str
+    ckpt: Checkpoint
+    pool: SlotPool
+    policy: EvictionPolicy
+    moe_layers: list[int]                  # checkpoint layer index of each MoE layer
+    budget_bytes: int
+    stats: PagerStats = field(default_factory=PagerStats)
+    inflight: dict[ExpertKey, Future] = field(default_factory=dict)
+    workspace: MoEWorkspace = field(default_factory=MoEWorkspace)
+
+
+class ExpertPager:
+    def __init__(self, loader: ExpertLoader, clock: Callable[[], float] = time.monotonic):
+        self.loader = loader
+        self.clock = clock
+        self._models: dict[str, _Model] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)   # a slot was freed or committed
+
+    # ---- models and budgets -------------------------------------------------------------
+    def add_model(self, name: str, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                  budget_bytes: int | None, policy: str = "rate") -> None:
+        spec = ckpt.spec
+        moe_layers = [i for i, is_moe in enumerate(spec.moe_layers) if is_moe]
+        num_slots = self._slots_for(name, spec, dtype, budget_bytes, len(moe_layers))
+        pool = SlotPool(len(moe_layers), spec.num_experts, spec.hidden_size,
+                        spec.moe_intermediate_size, dtype, device, num_slots)
+        with self._lock:
+            self._models[name] = _Model(name, ckpt, pool, make_policy(policy), moe_layers,
+                                        num_slots * pool.expert_nbytes)
+
+    @staticmethod
+    def _slots_for(name: str, spec, dtype: torch.dtype, budget_bytes: int | None,
+                   num_moe_layers: int) -> int:
+        total = num_moe_layers * spec.num_experts
+        if budget_bytes is None:
+            return total
+        per_expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+        slots = min(budget_bytes // per_expert, total)
+        if slots < spec.top_k:
+            raise MoxError(
+                f"model {name!r}: an expert budget of {budget_bytes} bytes holds {slots} "
+                f"experts of {per_expert} bytes; a step needs at least top_k = {spec.top_k}")
+        return slots
+
+    def set_budget(self, name: str, budget_bytes: int | None) -> None:
+        with self._lock:
+            m = self._models[name]
+            slots = self._slots_for(name, m.ckpt.spec, m.pool.dtype, budget_bytes,
+                                    len(m.moe_layers))
+            m.pool.target_slots = slots
+            m.budget_bytes = slots * m.pool.expert_nbytes
+            now = self.clock()
+            while m.pool.num_occupied > slots and m.pool.evictable():
+                self._evict(m, m.policy.victim([m.pool.slots[i].key for i in
+                                                m.pool.evictable()], now))
+            self._compact_if_quiet(m)
+
+    def set_policy(self, name: str, policy: str) -> None:
+        with self._lock:
+            self._models[name].policy = make_policy(policy)
+
+    def set_rate(self, name: str, requests_per_s: float) -> None:
+        with self._lock:
+            policy = self._models[name].policy
+            if hasattr(policy, "set_rate"):
+                policy.set_rate(requests_per_s)
+
+    def workspace(self, name: str) -> MoEWorkspace:
+        return self._models[name].workspace
+
+    def num_moe_layers(self, name: str) -> int:
+        return len(self._models[name].moe_layers)
+
+    # ---- leases -------------------------------------------------------------------------
+    def waves(self, name: str, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
+        """Leases covering `expert_ids` of one layer, resident ones first; each lease is
+        released when the caller asks for the next (or stops iterating)."""
+        m = self._models[name]
+        with self._lock:
+            ready, pending, missing = self._classify(m, moe_layer, sorted(set(expert_ids)))
+            started = self._start_loads(m, moe_layer, missing, prefetched=False)
+            pending, missing = pending + started, missing[len(started):]
+        while True:
+            if ready:
+                lease = self._lease(m, moe_layer, ready)
+                try:
+                    yield lease
+                finally:
+                    self.release(lease)
+            if not pending and not missing:
+                return
+            ready, gone = self._wait(m, moe_layer, pending)
+            with self._lock:
+                missing += gone
+                while missing and not ready and not self._has_room(m):
+                    self._changed.wait()
+                # the next group loads while the caller computes `ready`
+                pending = self._start_loads(m, moe_layer, missing, prefetched=False)
+                missing = missing[len(pending):]
+
+    def acquire(self, name: str, moe_layer: int, expert_ids: Iterable[int]) -> Lease:
+        """All of `expert_ids` resident and pinned at once (they must fit the pool)."""
+        m = self._models[name]
+        wanted = sorted(set(expert_ids))
+        if len(wanted) > m.pool.target_slots:
+            raise MoxError(f"{len(wanted)} experts do not fit {m.pool.target_slots} slots")
+        slots: dict[int, int] = {}
+        for lease in self.waves(name, moe_layer, wanted):
+            with self._lock:
+                for index in lease.slots:
+                    m.pool.slots[index].pins += 1          # keep them past this wave
+                    slots[m.pool.slots[index].key[1]] = index
+        with self._lock:
+            return self._make_lease(m, moe_layer, [(moe_layer, e) for e in wanted],
+                                    [slots[e] for e in wanted])
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            m = self._models[lease.model]
+            for index in lease.slots:
+                m.pool.slots[index].pins -= 1
+            self._compact_if_quiet(m)
+            self._changed.notify_all()
+
+    def prefetch(self, name: str, moe_layer: int, expert_ids: Iterable[int],
+                 protect_layers: Iterable[int] = ()) -> None:
+        """Start loading these experts if a slot is free or held by an unleased expert
+        outside `protect_layers`; never blocks, never waits for I/O."""
+        m = self._models[name]
+        with self._lock:
+            _, _, missing = self._classify(m, moe_layer, sorted(set(expert_ids)), count=False)
+            self._start_loads(m, moe_layer, missing, prefetched=True,
+                              protect={moe_layer, *protect_layers})
+
+    # ---- internals (called with the lock held unless noted) -----------------------------
+    def _classify(self, m: _Model, moe_layer: int, wanted: list[int], count: bool = True):
+        """Split into resident (pinned now), already loading, and missing experts."""
+        now = self.clock()
+        ready, pending, missing = [], [], []
+        for expert in wanted:
+            key = (moe_layer, expert)
+            index = m.pool.lookup(key)
+            if index != NOT_RESIDENT:
+                if count:
+                    slot = m.pool.slots[index]
+                    slot.pins += 1
+                    m.stats.hits += 1
+                    m.stats.prefetch_hits += slot.prefetched
+                    slot.prefetched = False
+                    m.policy.on_access(key, now)
+                ready.append(expert)
+            elif key in m.inflight:
+                pending.append(expert)
+            else:
+                missing.append(expert)
+        if count:
+            m.stats.misses += len(pending) + len(missing)
+        return ready, pending, missing
+
+    def _has_room(self, m: _Model) -> bool:
+        pool = m.pool
+        return bool(pool.evictable()) or (pool.num_occupied < pool.target_slots
+                                          and pool.free_slot() is not None)
+
+    def _start_loads(self, m: _Model, moe_layer: int, experts: list[int], prefetched: bool,
+                     protect: set[int] | None = None) -> list[int]:
+        started = []
+        for expert in experts:
+            index = self._claim_slot(m, protect)
+            if index is None:
+                break
+            key = (moe_layer, expert)
+            m.pool.reserve(index, key, prefetched)
+            m.stats.prefetches += prefetched
+            occupied = m.pool.num_occupied * m.pool.expert_nbytes
+            m.stats.peak_resident_bytes = max(m.stats.peak_resident_bytes, occupied)
+            m.inflight[key] = self.loader.reader.submit_call(self._load, m, key, index)
+            started.append(expert)
+        return started
+
+    def _claim_slot(self, m: _Model, protect: set[int] | None) -> int | None:
+        """A free slot within the budget, evicting the policy's victim if need be."""
+        pool = m.pool
+        if pool.num_occupied < pool.target_slots and pool.free_slot() is not None:
+            return pool.free_slot()
+        candidates = [pool.slots[i].key for i in pool.evictable()]
+        if protect is not None:
+            candidates = [k for k in candidates if k[0] not in protect]
+        if not candidates:
+            return None
+        self._evict(m, m.policy.victim(candidates, self.clock()))
+        return pool.free_slot() if pool.num_occupied < pool.target_slots else None
+
+    def _evict(self, m: _Model, key: ExpertKey) -> None:
+        m.pool.clear(m.pool.lookup(key))
+        m.policy.on_evict(key)
+        m.stats.evictions += 1
+
+    def _load(self, m: _Model, key: ExpertKey, index: int) -> LoadResult:
+        """On an I/O thread, without the lock: fill the reserved slot, then commit it."""
+        layer = m.moe_layers[key[0]]
+        try:
+            result = self.loader.load(m.pool, index, m.ckpt.experts[layer, key[1]],
+                                      (m.name, *key), f"layer {layer} expert {key[1]}")
+        except BaseException:
+            with self._lock:
+                m.pool.clear(index)
+                del m.inflight[key]
+                self._changed.notify_all()
+            raise
+        with self._lock:
+            m.pool.commit(index)
+            m.pool.slots[index].pins -= 1     # the reservation ends; waiters pin what they use
+            del m.inflight[key]
+            m.policy.on_access(key, self.clock())
+            stats = m.stats
+            if result.source == FROM_HOST:
+                stats.bytes_read_host += result.nbytes
+            else:
+                stats.bytes_read_disk += result.nbytes
+            stats.read_seconds += result.seconds
+            self._compact_if_quiet(m)
+            self._changed.notify_all()
+        return result
+
+    def _wait(self, m: _Model, moe_layer: int, pending: list[int]) -> tuple[list[int], list[int]]:
+        """Without the lock: wait for these loads; pin what arrived. Returns (ready, gone):
+        `gone` were evicted again between their commit and our pin (rare; retried)."""
+        with self._lock:
+            futures = [(e, m.inflight.get((moe_layer, e))) for e in pending]
+        for _, future in futures:
+            if future is not None:
+                future.result()                   # a load error propagates to this step
+        ready, gone = [], []
+        with self._lock:
+            for expert in pending:
+                index = m.pool.lookup((moe_layer, expert))
+                if index == NOT_RESIDENT:
+                    gone.append(expert)
+                    continue
+                slot = m.pool.slots[index]
+                slot.pins += 1
+                m.stats.prefetch_hits += slot.prefetched
+                slot.prefetched = False
+                ready.append(expert)
+        return ready, gone
+
+    def _lease(self, m: _Model, moe_layer: int, experts: list[int]) -> Lease:
+        with self._lock:
+            m.stats.waves += 1
+            keys = [(moe_layer, e) for e in experts]
+            return self._make_lease(m, moe_layer, keys, [m.pool.lookup(k) for k in keys])
+
+    def _make_lease(self, m: _Model, moe_layer: int, keys: list[ExpertKey],
+                    slots: list[int]) -> Lease:
+        assert all(m.pool.slots[i].pins > 0 for i in slots)
+        return Lease(m.name, moe_layer, tuple(slots),
+                     m.pool.lease_map(list(zip(keys, slots))), m.pool.w13, m.pool.w2)
+
+    def _compact_if_quiet(self, m: _Model) -> None:
+        pool = m.pool
+        if pool.num_slots == pool.target_slots or not pool.is_quiet:
+            return
+        now = self.clock()
+        occupied = [i for i, s in enumerate(pool.slots) if s.key is not None]
+        occupied.sort(key=lambda i: m.policy.score(pool.slots[i].key, now), reverse=True)
+        for index in occupied[pool.target_slots:]:
+            self._evict(m, pool.slots[index].key)
+        pool.compact(occupied[:pool.target_slots])
+
+    # ---- reporting ----------------------------------------------------------------------
+    def stats(self, name: str) -> dict:
+        with self._lock:
+            m = self._models[name]
+            s = m.stats
+            return {**s.__dict__, "bytes_read": s.bytes_read_disk + s.bytes_read_host,
+                    "budget_bytes": m.budget_bytes, "num_slots": m.pool.target_slots,
+                    "resident_bytes": m.pool.num_occupied * m.pool.expert_nbytes,
+                    "expert_bytes": m.pool.expert_nbytes}
+
+    def check_integrity(self, name: str) -> None:
+        with self._lock:
+            m = self._models[name]
+            m.pool.check_integrity()
+            for key in m.inflight:
+                assert m.pool.loading_slot(key) != NOT_RESIDENT, key
+
+    def pool(self, name: str) -> SlotPool:
+        return self._models[name].pool
+
+
+def make_pager(device: torch.device, host_memory_bytes: int | None = None,
+               direct_io: bool = False) -> ExpertPager:
+    """A pager with its reader and (if `host_memory_bytes`) a host cache, pinned on CUDA."""
+    host = (HostCache(host_memory_bytes, pin_memory=device.type == "cuda")
+            if host_memory_bytes else None)
+    return ExpertPager(ExpertLoader(StreamingReader(direct=direct_io), host))

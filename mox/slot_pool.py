@@ -1,0 +1,151 @@
+"""One model's expert slot pool: `w13 [S, 2I, H]`, `w2 [S, H, I]` on the compute device, any slot
+able to hold any (MoE layer, expert), and the residency table `slot_of [L, E]` that the fused
+kernel reads weights through (NOT_RESIDENT where an expert has no slot).
+
+A slot is free, loading (reserved and pinned while its bytes arrive; not yet in `slot_of`, so
+no kernel can read half an expert) or resident. Pinned slots (leased, or loading) are never
+evicted. Size changes are applied when the pool is quiet (nothing pinned): then residents are
+compacted into a freshly sized pool. Not thread-safe: the pager calls it under its lock.
+
+Legend: L MoE layers, E experts per layer, S slots, H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mox.eviction import ExpertKey
+from mox.kernels import NOT_RESIDENT
+
+
+@dataclass
+class Slot:
+    key: ExpertKey | None = None
+    pins: int = 0
+    loading: bool = False
+    prefetched: bool = False      # loaded ahead of use; the first use counts a prefetch hit
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.key is not None and self.pins == 0 and not self.loading
+
+
+class SlotPool:
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int,
+                 dtype: torch.dtype, device: torch.device, num_slots: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.hidden, self.inter, self.dtype, self.device = hidden, inter, dtype, device
+        self.slot_of = torch.full((num_layers, num_experts), NOT_RESIDENT, dtype=torch.int32,
+                                  device=device)                          # [L, E]
+        self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
+        self.target_slots = num_slots
+        self._allocate(num_slots)
+
+    def _allocate(self, num_slots: int) -> None:
+        self.w13 = torch.empty(num_slots, 2 * self.inter, self.hidden, dtype=self.dtype,
+                               device=self.device)                        # [S, 2I, H]
+        self.w2 = torch.empty(num_slots, self.hidden, self.inter, dtype=self.dtype,
+                              device=self.device)                         # [S, H, I]
+        self.slots = [Slot() for _ in range(num_slots)]
+
+    @property
+    def expert_nbytes(self) -> int:
+        return 3 * self.hidden * self.inter * self.dtype.itemsize
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_occupied(self) -> int:
+        """Resident or loading: what the budget counts."""
+        return sum(s.key is not None for s in self.slots)
+
+    @property
+    def is_quiet(self) -> bool:
+        return all(s.pins == 0 and not s.loading for s in self.slots)
+
+    def lookup(self, key: ExpertKey) -> int:
+        """The slot holding `key` resident, or NOT_RESIDENT (also while it is loading)."""
+        return self._slot_of_host[key[0]][key[1]]
+
+    def loading_slot(self, key: ExpertKey) -> int:
+        for index, slot in enumerate(self.slots):
+            if slot.key == key and slot.loading:
+                return index
+        return NOT_RESIDENT
+
+    def free_slot(self) -> int | None:
+        """An empty slot within the target size (slots past it are draining)."""
+        for index in range(min(self.num_slots, self.target_slots)):
+            if self.slots[index].key is None:
+                return index
+        return None
+
+    def evictable(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.is_evictable]
+
+    def reserve(self, index: int, key: ExpertKey, prefetched: bool) -> None:
+        slot = self.slots[index]
+        assert slot.key is None and slot.pins == 0, (index, slot)
+        self.slots[index] = Slot(key=key, pins=1, loading=True, prefetched=prefetched)
+
+    def commit(self, index: int) -> None:
+        """The slot's bytes have fully arrived: publish it in the residency table."""
+        slot = self.slots[index]
+        assert slot.loading and slot.key is not None
+        slot.loading = False
+        self._set_map(slot.key, index)
+
+    def clear(self, index: int) -> ExpertKey:
+        """Evict a resident slot or abort a failed load; returns the key it held."""
+        slot = self.slots[index]
+        assert slot.key is not None and (slot.pins == 0 or slot.loading), (index, slot)
+        key = slot.key
+        if not slot.loading:
+            self._set_map(key, NOT_RESIDENT)
+        self.slots[index] = Slot()
+        return key
+
+    def _set_map(self, key: ExpertKey, index: int) -> None:
+        self._slot_of_host[key[0]][key[1]] = index
+        self.slot_of[key[0], key[1]] = index
+
+    def lease_map(self, keys_and_slots: list[tuple[ExpertKey, int]]) -> torch.Tensor:
+        """`[E]` int32 map holding only these experts (of one layer): what one wave reads."""
+        table = [NOT_RESIDENT] * self.num_experts
+        for (_, expert), index in keys_and_slots:
+            table[expert] = index
+        return torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def compact(self, keep: list[int]) -> None:
+        """Rebuild at the target size holding the slots `keep` (quiet pool only)."""
+        assert self.is_quiet and len(keep) <= self.target_slots
+        old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
+        for slot in old_slots:
+            if slot.key is not None and not slot.loading:
+                self._set_map(slot.key, NOT_RESIDENT)
+        self._allocate(self.target_slots)
+        for new_index, old_index in enumerate(keep):
+            self.w13[new_index].copy_(old_w13[old_index])
+            self.w2[new_index].copy_(old_w2[old_index])
+            self.slots[new_index] = Slot(key=old_slots[old_index].key,
+                                         prefetched=old_slots[old_index].prefetched)
+            self._set_map(self.slots[new_index].key, new_index)
+
+    def check_integrity(self) -> None:
+        seen: dict[ExpertKey, int] = {}
+        for index, slot in enumerate(self.slots):
+            assert slot.pins >= 0
+            if slot.key is None:
+                assert slot.pins == 0 and not slot.loading, (index, slot)
+                continue
+            assert slot.key not in seen, f"{slot.key} in slots {seen[slot.key]} and {index}"
+            seen[slot.key] = index
+            expected = NOT_RESIDENT if slot.loading else index
+            assert self.lookup(slot.key) == expected, (slot.key, self.lookup(slot.key), index)
+        mapped = sum(i != NOT_RESIDENT for row in self._slot_of_host for i in row)
+        assert mapped == sum(s.key is not None and not s.loading for s in self.slots)
+        assert self.slot_of.cpu().tolist() == self._slot_of_host, "device table out of sync"
