@@ -47,6 +47,18 @@ def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
     return model
 
 
+def open_tiny(path: str, dtype: torch.dtype = torch.float32, expert_memory: int | None = None,
+              policy: str = "rate", prefetch: bool = True, host_memory: int | None = None):
+    """A mox model on CPU with its own pager (all experts resident unless budgeted)."""
+    from mox.loaders import Checkpoint
+    from mox.models import open_model
+    from mox.pager import make_pager
+
+    cpu = torch.device("cpu")
+    return open_model(Checkpoint(path), dtype, cpu, make_pager(cpu, host_memory),
+                      expert_memory, policy, prefetch)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """case -> (checkpoint folder, transformers model); built once per session."""

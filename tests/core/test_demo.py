@@ -20,8 +20,7 @@ from mox.demo import (
     zipf_frequencies,
     zipf_gate_scales,
 )
-from mox.loaders import Checkpoint
-from mox.models import load_model
+from tests.conftest import open_tiny
 
 
 @pytest.mark.parametrize("arch", DEMO_ARCHITECTURES)
@@ -32,7 +31,7 @@ def test_transformers_loads_demo_and_agrees(demo_home, arch):
     hf_model, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    model = load_model(Checkpoint(path), torch.float32, torch.device("cpu"))
+    model = open_tiny(path)
     ids = torch.arange(3, 19)
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
@@ -82,7 +81,7 @@ def test_skewed_demo_routes_to_few_experts(tmp_path):
     def routing_counts(skew: float) -> np.ndarray:
         path = build_checkpoint(str(tmp_path / f"skew{skew}"), "olmoe", DEMO_SIZES["olmoe"],
                                 routing_skew=skew)
-        model = load_model(Checkpoint(path), torch.float32, torch.device("cpu"))
+        model = open_tiny(path)
         ids = torch.randint(0, model.spec.vocab_size, (512,),
                             generator=torch.Generator().manual_seed(0))
         h = torch.nn.functional.embedding(ids, model.embed)

@@ -9,8 +9,7 @@ import torch
 
 from mox import LLM
 from mox.loaders import INDEX_FILE, Checkpoint
-from mox.models import load_model
-from tests.conftest import CASES, make_hf_checkpoint
+from tests.conftest import CASES, make_hf_checkpoint, open_tiny
 
 LOGIT_ATOL = 1e-4
 NUM_GREEDY_TOKENS = 32
@@ -24,7 +23,7 @@ def _prompt(seed: int, length: int, vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_logits_match_transformers(hf_checkpoints, case):
     path, hf_model = hf_checkpoints[case]
-    model = load_model(Checkpoint(path), torch.float32, CPU)
+    model = open_tiny(path)
     ids = _prompt(1, 20, hf_model.config.vocab_size)
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
@@ -51,7 +50,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_kv_cache_decode_equals_full_recomputation(hf_checkpoints, case):
     path, hf_model = hf_checkpoints[case]
-    model = load_model(Checkpoint(path), torch.float32, CPU)
+    model = open_tiny(path)
     ids = _prompt(3, 16, hf_model.config.vocab_size)
     full = model.forward(ids, model.new_cache())
     cache = model.new_cache()
@@ -67,9 +66,8 @@ def test_sharded_checkpoint_with_index(tmp_path):
     hf_model = make_hf_checkpoint(path, "qwen2_moe", max_shard_size="40KB", seed=5)
     shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     assert len(shards) >= 2 and os.path.exists(os.path.join(path, INDEX_FILE))
-    ckpt = Checkpoint(path)
-    assert len({info.file for info in ckpt.tensors.values()}) == len(shards)
-    model = load_model(ckpt, torch.float32, CPU)
+    assert len({info.file for info in Checkpoint(path).tensors.values()}) == len(shards)
+    model = open_tiny(path)
     ids = _prompt(4, 12, hf_model.config.vocab_size)
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
@@ -79,10 +77,9 @@ def test_sharded_checkpoint_with_index(tmp_path):
 
 def test_bfloat16_forward_tracks_float32(hf_checkpoints):
     path, hf_model = hf_checkpoints["qwen3_moe"]
-    ckpt = Checkpoint(path)
     ids = _prompt(6, 12, hf_model.config.vocab_size)
-    ref_model = load_model(ckpt, torch.float32, CPU)
-    bf16_model = load_model(ckpt, torch.bfloat16, CPU)
+    ref_model = open_tiny(path)
+    bf16_model = open_tiny(path, torch.bfloat16)
     ref = ref_model.forward(ids, ref_model.new_cache())
     got = bf16_model.forward(ids, bf16_model.new_cache())
     # bf16 keeps ~3 significant digits; the argmax should mostly survive
