@@ -117,11 +117,7 @@ class ExpertPager:
                                     len(m.moe_layers))
             m.pool.target_slots = slots
             m.budget_bytes = slots * m.pool.expert_nbytes
-            now = self.clock()
-            while m.pool.num_occupied > slots and m.pool.evictable():
-                self._evict(m, m.policy.victim([m.pool.slots[i].key for i in
-                                                m.pool.evictable()], now))
-            self._compact_if_quiet(m)
+            self._drain(m)
 
     def set_policy(self, name: str, policy: str) -> None:
         with self._lock:
@@ -187,7 +183,7 @@ class ExpertPager:
             m = self._models[lease.model]
             for index in lease.slots:
                 m.pool.slots[index].pins -= 1
-            self._compact_if_quiet(m)
+            self._drain(m)
             self._changed.notify_all()
 
     def prefetch(self, name: str, moe_layer: int, expert_ids: Iterable[int],
@@ -199,6 +195,13 @@ class ExpertPager:
             _, _, missing = self._classify(m, moe_layer, sorted(set(expert_ids)), count=False)
             self._start_loads(m, moe_layer, missing, prefetched=True,
                               protect={moe_layer, *protect_layers})
+
+    def wait_for_loads(self, name: str) -> None:
+        """Block until this model's in-flight loads (prefetches included) have landed."""
+        with self._lock:
+            futures = list(self._models[name].inflight.values())
+        for future in futures:
+            future.exception()                     # waits; a failed prefetch is not an error
 
     # ---- internals (called with the lock held unless noted) -----------------------------
     def _classify(self, m: _Model, moe_layer: int, wanted: list[int], count: bool = True):
@@ -287,7 +290,7 @@ class ExpertPager:
             else:
                 stats.bytes_read_disk += result.nbytes
             stats.read_seconds += result.seconds
-            self._compact_if_quiet(m)
+            self._drain(m)
             self._changed.notify_all()
         return result
 
@@ -324,6 +327,14 @@ class ExpertPager:
         assert all(m.pool.slots[i].pins > 0 for i in slots)
         return Lease(m.name, moe_layer, tuple(slots),
                      m.pool.lease_map(list(zip(keys, slots))), m.pool.w13, m.pool.w2)
+
+    def _drain(self, m: _Model) -> None:
+        """Bring the pool back within budget: evict unleased experts past it, and resize the
+        tensors once nothing is pinned."""
+        pool, now = m.pool, self.clock()
+        while pool.num_occupied > pool.target_slots and pool.evictable():
+            self._evict(m, m.policy.victim([pool.slots[i].key for i in pool.evictable()], now))
+        self._compact_if_quiet(m)
 
     def _compact_if_quiet(self, m: _Model) -> None:
         pool = m.pool
