@@ -6,18 +6,9 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/configs"
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3 \
-    || ! python3 -c "import mox.kernels, mox.bench"; then
-  # fallback without pip: map mox.kernels -> kernels/, mox.bench -> bench/ at start-up
-  mkdir -p /tmp/mox_shim
-  printf 'import sys\nsys.path.insert(0, "%s")\nimport mox\nmox.__path__.append("%s")\n' \
-      "$PWD" "$PWD" > /tmp/mox_shim/sitecustomize.py
-  export PYTHONPATH=/tmp/mox_shim
-fi
-python3 -c "import mox.kernels, triton, torch; print('mox ok; triton', triton.__version__, 'torch', torch.__version__)"
+source bench/gpu_setup.sh
 python3 -m mox.bench.gpu_kernels --out "$OUT" --phase default 2>&1 | tee "$OUT/default.log"
 TUNE_BUDGET=${TUNE_BUDGET:-90}
 python3 -m mox.bench.tune_moe --experts 8 --hidden 4096 --inter 14336 --top-k 2 \
