@@ -45,7 +45,10 @@ class ExpertLoader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def load(self, pool: SlotPool, index: int, tensors: ExpertTensors, cache_key: CacheKey,
-             label: str) -> LoadResult:
+             label: str, last_use: torch.cuda.Event | None = None) -> LoadResult:
+        """`last_use`: on CUDA, the event after the last kernel that read this slot's
+        previous expert; the copy waits for it (the host releases leases before the GPU is
+        done with them)."""
         start = time.perf_counter()
         infos = (tensors.gate, tensors.up, tensors.down)
         destinations = (pool.w13[index, :pool.inter], pool.w13[index, pool.inter:],
@@ -53,7 +56,7 @@ class ExpertLoader:
         cached = self.host_cache.get(cache_key) if self.host_cache else None
         if cached is not None:
             source = FROM_HOST
-            self._copy_in(destinations, _split(cached, infos), pool.device)
+            self._copy_in(destinations, _split(cached, infos), pool.device, last_use)
         elif self.host_cache is None and _can_read_in_place(pool, infos):
             source = FROM_DISK
             self.reader.read_into(expert_ranges(tensors, label), destinations)
@@ -63,7 +66,7 @@ class ExpertLoader:
                    else self._staging(tensors.nbytes, pool.device))
             parts = _split(raw, infos)
             self.reader.read_into(expert_ranges(tensors, label), parts)
-            self._copy_in(destinations, parts, pool.device)
+            self._copy_in(destinations, parts, pool.device, last_use)
             if self.host_cache:
                 self.host_cache.put(cache_key, raw)
         return LoadResult(source, tensors.nbytes, time.perf_counter() - start)
@@ -75,12 +78,17 @@ class ExpertLoader:
             self._local.staging = buf
         return buf[:nbytes]
 
-    def _copy_in(self, destinations, parts, device: torch.device) -> None:
+    def _copy_in(self, destinations, parts, device: torch.device,
+                 last_use: torch.cuda.Event | None = None) -> None:
         if device.type != "cuda":
             for dst, src in zip(destinations, parts):
                 dst.copy_(src)
             return
-        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        if last_use is not None:
+            stream.wait_event(last_use)     # kernels still reading the evicted expert finish
         with torch.cuda.stream(stream):
             for dst, src in zip(destinations, parts):
                 dst.copy_(src, non_blocking=True)

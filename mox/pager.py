@@ -179,10 +179,14 @@ class ExpertPager:
                                     [slots[e] for e in wanted])
 
     def release(self, lease: Lease) -> None:
+        # on CUDA the kernels that read these slots may still be queued: remember when they end
+        done = (torch.cuda.current_stream(lease.w13.device).record_event()
+                if lease.w13.is_cuda else None)
         with self._lock:
             m = self._models[lease.model]
             for index in lease.slots:
                 m.pool.slots[index].pins -= 1
+                m.pool.slots[index].last_use = done
             self._drain(m)
             self._changed.notify_all()
 
@@ -272,7 +276,8 @@ class ExpertPager:
         layer = m.moe_layers[key[0]]
         try:
             result = self.loader.load(m.pool, index, m.ckpt.experts[layer, key[1]],
-                                      (m.name, *key), f"layer {layer} expert {key[1]}")
+                                      (m.name, *key), f"layer {layer} expert {key[1]}",
+                                      m.pool.slots[index].last_use)
         except BaseException:
             with self._lock:
                 m.pool.clear(index)

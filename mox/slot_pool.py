@@ -26,6 +26,7 @@ class Slot:
     pins: int = 0
     loading: bool = False
     prefetched: bool = False      # loaded ahead of use; the first use counts a prefetch hit
+    last_use: object = None       # CUDA event after the last kernel that read it (GPU only)
 
     @property
     def is_evictable(self) -> bool:
@@ -90,7 +91,8 @@ class SlotPool:
     def reserve(self, index: int, key: ExpertKey, prefetched: bool) -> None:
         slot = self.slots[index]
         assert slot.key is None and slot.pins == 0, (index, slot)
-        self.slots[index] = Slot(key=key, pins=1, loading=True, prefetched=prefetched)
+        self.slots[index] = Slot(key=key, pins=1, loading=True, prefetched=prefetched,
+                                 last_use=slot.last_use)
 
     def commit(self, index: int) -> None:
         """The slot's bytes have fully arrived: publish it in the residency table."""
@@ -106,7 +108,7 @@ class SlotPool:
         key = slot.key
         if not slot.loading:
             self._set_map(key, NOT_RESIDENT)
-        self.slots[index] = Slot()
+        self.slots[index] = Slot(last_use=slot.last_use)   # a reload must still wait for it
         return key
 
     def _set_map(self, key: ExpertKey, index: int) -> None:
