@@ -67,3 +67,24 @@ def test_bad_pager_arguments_are_refused(hf_checkpoints):
         LLM(path, expert_memory="lots")
     with pytest.raises(MoxError, match="top_k"):
         LLM(path, expert_memory=1000)
+
+
+def test_a_request_hitting_a_damaged_file_fails_and_the_next_works(hf_checkpoints, tmp_path):
+    import shutil
+
+    from mox.loaders import CheckpointError
+
+    path = tmp_path / "olmoe"
+    shutil.copytree(hf_checkpoints["olmoe"][0], path)
+    prompt = list(range(3, 14))
+    llm = LLM(str(path), dtype="float32", expert_memory="150KiB", prefetch=False)
+    expected = _greedy(llm, prompt)
+    shard = path / "model.safetensors"
+    saved = shard.read_bytes()
+    shard.write_bytes(saved[:len(saved) // 2])        # truncated while serving
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*layer \d expert \d"):
+        for _ in range(4):                             # until a step misses a lost expert
+            _greedy(llm, prompt)
+    llm.pager.check_integrity(llm.checkpoint.path)
+    shard.write_bytes(saved)                           # the file is back
+    assert _greedy(llm, prompt) == expected
