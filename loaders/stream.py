@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +29,50 @@ from .errors import CheckpointError
 DIRECT_IO_ALIGNMENT = 4096        # logical block size O_DIRECT needs for offset, length, address
 DEFAULT_IO_THREADS = 4            # NVMe needs a few reads in flight; more only adds contention
 T = TypeVar("T")
+DEMAND, PREFETCH = 0, 1           # I/O priorities: a step waiting on a read goes first
+_STOP = 99                        # sorts after every real task: queued work finishes first
+
+
+@dataclass(order=True)
+class _Task:
+    priority: int
+    seq: int
+    fn: Callable[..., Any] = field(compare=False)
+    args: tuple = field(compare=False)
+    future: Future = field(compare=False)
+
+
+class IOPool:
+    """Worker threads taking calls from a priority queue: demand reads overtake queued
+    prefetches; a queued call can be cancelled through its Future."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"mox-io-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
+        future: Future = Future()
+        self._queue.put(_Task(priority, next(self._seq), fn, args, future))
+        return future
+
+    def _work(self) -> None:
+        while (task := self._queue.get()).priority != _STOP:
+            if not task.future.set_running_or_notify_cancel():
+                continue                                  # cancelled while queued
+            try:
+                task.future.set_result(task.fn(*task.args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                task.future.set_exception(e)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(_Task(_STOP, next(self._seq), None, (), Future()))
+        for thread in self._threads:
+            thread.join()
 
 
 @dataclass(frozen=True)
@@ -64,17 +110,18 @@ class StreamingReader:
 
     def __init__(self, num_threads: int = DEFAULT_IO_THREADS, direct: bool = False) -> None:
         self.direct = direct
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="mox-io")
+        self._pool = IOPool(num_threads)
         self._local = threading.local()            # per-thread aligned bounce buffer
         self._no_direct: set[str] = set()          # files whose filesystem refused O_DIRECT
         self._lock = threading.Lock()
 
-    def submit(self, ranges: Sequence[ByteRange], outs: Sequence[torch.Tensor]) -> Future:
-        return self._executor.submit(self.read_into, ranges, outs)
+    def submit(self, ranges: Sequence[ByteRange], outs: Sequence[torch.Tensor],
+               priority: int = DEMAND) -> Future:
+        return self._pool.submit(self.read_into, ranges, outs, priority=priority)
 
-    def submit_call(self, fn: Callable[..., T], *args: object) -> Future:
+    def submit_call(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
         """Run `fn(*args)` on an I/O thread (a load that reads, then copies and commits)."""
-        return self._executor.submit(fn, *args)
+        return self._pool.submit(fn, *args, priority=priority)
 
     def read_into(self, ranges: Sequence[ByteRange], outs: Sequence[torch.Tensor]) -> None:
         """Fill each `outs[i]` (contiguous CPU tensor of exactly `ranges[i].length` bytes)."""
@@ -82,7 +129,8 @@ class StreamingReader:
         for r, out in zip(ranges, outs):
             assert out.numel() * out.element_size() == r.length, (r, out.shape)
         for run in coalesce(ranges):
-            self._read_run([ranges[i] for i in run], [byte_view(outs[i]) for i in run])
+            self._read_run([ranges[i] for i in run],
+                           [outs[i].view(torch.uint8).reshape(-1) for i in run])
 
     def read(self, ranges: Sequence[ByteRange]) -> list[torch.Tensor]:
         outs = [torch.empty(r.length, dtype=torch.uint8) for r in ranges]
@@ -90,13 +138,14 @@ class StreamingReader:
         return outs
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._pool.shutdown()
 
-    def _read_run(self, run: list[ByteRange], views: list[memoryview]) -> None:
+    def _read_run(self, run: list[ByteRange], outs: list[torch.Tensor]) -> None:
+        """`outs`: flat uint8 views of the destinations, in file order."""
         path = run[0].file
         if self.direct and path not in self._no_direct:
             try:
-                return self._read_direct(run, views)
+                return self._read_direct(run, outs)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise _as_checkpoint_error(run, e) from e
@@ -107,21 +156,22 @@ class StreamingReader:
         except OSError as e:
             raise _as_checkpoint_error(run, e) from e
         try:
-            _preadv_exact(fd, views, run[0].offset, run)
+            _preadv_exact(fd, [byte_view(out) for out in outs], run[0].offset, run)
         except OSError as e:
             raise _as_checkpoint_error(run, e) from e
         finally:
             os.close(fd)
 
-    def _read_direct(self, run: list[ByteRange], views: list[memoryview]) -> None:
+    def _read_direct(self, run: list[ByteRange], outs: list[torch.Tensor]) -> None:
         start = run[0].offset // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         end = -(-run[-1].end // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
         bounce = self._bounce(end - start)
+        view = byte_view(bounce)
         fd = os.open(run[0].file, os.O_RDONLY | os.O_DIRECT)
         try:
             done = 0
             while done < end - start:
-                n = os.preadv(fd, [bounce[done:end - start]], start + done)
+                n = os.preadv(fd, [view[done:]], start + done)
                 if n == 0:                       # EOF: the last block is short, which is fine
                     break                        # once every requested byte has arrived
                 done += n
@@ -130,17 +180,17 @@ class StreamingReader:
         if start + done < run[-1].end:
             raise _truncated(run, start + done)
         pos = run[0].offset - start
-        for view in views:
-            view[:] = bounce[pos:pos + len(view)]
-            pos += len(view)
+        for out in outs:                         # torch copies release the GIL
+            out.copy_(bounce[pos:pos + out.numel()])
+            pos += out.numel()
 
-    def _bounce(self, nbytes: int) -> memoryview:
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """A reused, 4 KiB-aligned buffer of this thread (O_DIRECT needs the alignment)."""
         buf = getattr(self._local, "bounce", None)
-        if buf is None or len(buf) < nbytes:
+        if buf is None or buf.numel() < nbytes:
             raw = torch.empty(nbytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8)
             skip = -raw.data_ptr() % DIRECT_IO_ALIGNMENT
-            self._local.raw = raw                # keep the allocation alive
-            buf = self._local.bounce = byte_view(raw)[skip:skip + nbytes]
+            buf = self._local.bounce = raw[skip:skip + nbytes]   # the view keeps raw alive
         return buf[:nbytes]
 
 

@@ -33,7 +33,7 @@ from mox.expert_loader import FROM_HOST, ExpertLoader, LoadResult
 from mox.host_cache import HostCache
 from mox.kernels import NOT_RESIDENT, MoEWorkspace
 from mox.loaders import Checkpoint
-from mox.loaders.stream import StreamingReader
+from mox.loaders.stream import DEMAND, PREFETCH, StreamingReader
 from mox.slot_pool import SlotPool
 
 
@@ -140,8 +140,10 @@ class ExpertPager:
         """Leases covering `expert_ids` of one layer, resident ones first; each lease is
         released when the caller asks for the next (or stops iterating)."""
         m = self._models[name]
+        wanted = sorted(set(expert_ids))
         with self._lock:
-            ready, pending, missing = self._classify(m, moe_layer, sorted(set(expert_ids)))
+            self._settle_prefetches(m, moe_layer, set(wanted))
+            ready, pending, missing = self._classify(m, moe_layer, wanted)
             started = self._start_loads(m, moe_layer, missing, prefetched=False)
             pending, missing = pending + started, missing[len(started):]
         while True:
@@ -232,6 +234,23 @@ class ExpertPager:
             m.stats.misses += len(pending) + len(missing)
         return ready, pending, missing
 
+    def _settle_prefetches(self, m: _Model, moe_layer: int, wanted: set[int]) -> None:
+        """Now that this layer's routing is known: queued prefetches it does not want are
+        dropped (their slots freed), and the ones it wants move ahead of other prefetches."""
+        for key, future in list(m.inflight.items()):
+            index = m.pool.loading_slot(key)
+            if key[0] != moe_layer or not m.pool.slots[index].prefetched:
+                continue
+            if future.cancel():                        # still queued: nothing was read
+                del m.inflight[key]
+                m.pool.clear(index)
+                if key[1] in wanted:
+                    m.pool.reserve(index, key, prefetched=True)
+                    m.inflight[key] = self.loader.reader.submit_call(
+                        self._load, m, key, index, priority=DEMAND)
+                else:
+                    m.stats.prefetches -= 1            # never happened
+
     def _has_room(self, m: _Model) -> bool:
         pool = m.pool
         return bool(pool.evictable()) or (pool.num_occupied < pool.target_slots
@@ -249,7 +268,8 @@ class ExpertPager:
             m.stats.prefetches += prefetched
             occupied = m.pool.num_occupied * m.pool.expert_nbytes
             m.stats.peak_resident_bytes = max(m.stats.peak_resident_bytes, occupied)
-            m.inflight[key] = self.loader.reader.submit_call(self._load, m, key, index)
+            m.inflight[key] = self.loader.reader.submit_call(
+                self._load, m, key, index, priority=PREFETCH if prefetched else DEMAND)
             started.append(expert)
         return started
 
@@ -342,7 +362,12 @@ class ExpertPager:
         self._compact_if_quiet(m)
 
     def _compact_if_quiet(self, m: _Model) -> None:
+        """Resize the pool tensors to the budget: growing keeps every slot where it is (leases
+        keep reading the old tensors, whose pinned slots stay valid), so it only waits for
+        in-flight loads; shrinking moves experts, so it waits until nothing is pinned."""
         pool = m.pool
+        if pool.num_slots < pool.target_slots and not any(s.loading for s in pool.slots):
+            pool.grow()
         if pool.num_slots == pool.target_slots or not pool.is_quiet:
             return
         now = self.clock()

@@ -4,8 +4,9 @@ kernel reads weights through (NOT_RESIDENT where an expert has no slot).
 
 A slot is free, loading (reserved and pinned while its bytes arrive; not yet in `slot_of`, so
 no kernel can read half an expert) or resident. Pinned slots (leased, or loading) are never
-evicted. Size changes are applied when the pool is quiet (nothing pinned): then residents are
-compacted into a freshly sized pool. Not thread-safe: the pager calls it under its lock.
+evicted. The pool grows in place (every expert keeps its slot) once no load is in flight, and
+shrinks by compacting residents into a smaller pool once nothing is pinned. Not thread-safe:
+the pager calls it under its lock.
 
 Legend: L MoE layers, E experts per layer, S slots, H hidden, I intermediate.
 """
@@ -121,6 +122,16 @@ class SlotPool:
         for (_, expert), index in keys_and_slots:
             table[expert] = index
         return torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def grow(self) -> None:
+        """Enlarge to the target size, every expert staying in its slot (no load in flight:
+        a load writes into the tensors it saw when it started)."""
+        assert not any(s.loading for s in self.slots) and self.target_slots > self.num_slots
+        old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
+        self._allocate(self.target_slots)
+        self.w13[:len(old_slots)].copy_(old_w13)
+        self.w2[:len(old_slots)].copy_(old_w2)
+        self.slots[:len(old_slots)] = old_slots
 
     def compact(self, keep: list[int]) -> None:
         """Rebuild at the target size holding the slots `keep` (quiet pool only)."""

@@ -263,6 +263,7 @@ class PagerMachine(RuleBasedStateMachine):
 
 def test_pager_state_machine(ckpt):
     PagerMachine.ckpt = ckpt
-    PagerMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25,
+    examples = int(os.environ.get("MOX_STATEFUL_EXAMPLES", "30"))   # raise it to soak
+    PagerMachine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25,
                                               deadline=None)
     PagerMachine.TestCase().runTest()
