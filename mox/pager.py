@@ -43,9 +43,11 @@ class PagerStats:
     misses: int = 0
     prefetch_hits: int = 0
     prefetches: int = 0
+    prefetch_unused: int = 0           # prefetched, then cancelled or evicted before any use
     bytes_read_disk: int = 0
     bytes_read_host: int = 0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0          # summed over I/O threads
+    stall_seconds: float = 0.0         # steps waiting for experts to arrive
     evictions: int = 0
     waves: int = 0
     peak_resident_bytes: int = 0
@@ -249,7 +251,7 @@ class ExpertPager:
                     m.inflight[key] = self.loader.reader.submit_call(
                         self._load, m, key, index, priority=DEMAND)
                 else:
-                    m.stats.prefetches -= 1            # never happened
+                    m.stats.prefetch_unused += 1
 
     def _has_room(self, m: _Model) -> bool:
         pool = m.pool
@@ -287,7 +289,9 @@ class ExpertPager:
         return pool.free_slot() if pool.num_occupied < pool.target_slots else None
 
     def _evict(self, m: _Model, key: ExpertKey) -> None:
-        m.pool.clear(m.pool.lookup(key))
+        index = m.pool.lookup(key)
+        m.stats.prefetch_unused += m.pool.slots[index].prefetched
+        m.pool.clear(index)
         m.policy.on_evict(key)
         m.stats.evictions += 1
 
@@ -324,11 +328,13 @@ class ExpertPager:
         `gone` were evicted again between their commit and our pin (rare; retried)."""
         with self._lock:
             futures = [(e, m.inflight.get((moe_layer, e))) for e in pending]
+        start = time.perf_counter()
         for _, future in futures:
             if future is not None:
                 future.result()                   # a load error propagates to this step
         ready, gone = [], []
         with self._lock:
+            m.stats.stall_seconds += time.perf_counter() - start
             for expert in pending:
                 index = m.pool.lookup((moe_layer, expert))
                 if index == NOT_RESIDENT:

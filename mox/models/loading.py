@@ -1,17 +1,20 @@
-"""Checkpoint -> `MoEDecoder`: dense weights read whole, experts into the slot pool."""
+"""Checkpoint -> `MoEDecoder`: dense weights read whole, experts left to the pager."""
 
 from __future__ import annotations
 
 import torch
 
-from mox.loaders import Checkpoint
+from mox.loaders import Checkpoint, TensorInfo
 from mox.loaders.spec import QK_NORM_NONE, ModelSpec
+from mox.loaders.stream import ByteRange, StreamingReader
 from mox.models.attention import AttentionWeights
 from mox.models.decoder import LayerWeights, MoEDecoder
 from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 from mox.models.moe import MoEWeights
 from mox.pager import ExpertPager
+
+DENSE_READ_GROUPS = 8     # enough reads in flight to keep the I/O threads and the disk busy
 
 
 def open_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
@@ -29,20 +32,46 @@ def open_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
 
 
 class _DenseReader:
-    """Reads whole tensors to the device; shapes were checked when the checkpoint opened."""
+    """Every dense tensor read at once on the reader's I/O threads (a few groups in file order,
+    each group one coalesced run where tensors are adjacent), then handed out by name, on the
+    device and in the serving dtype. Shapes were checked when the checkpoint opened."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
-        self.ckpt, self.dtype, self.device = ckpt, dtype, device
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 reader: StreamingReader) -> None:
+        self.dtype, self.device = dtype, device
+        expert_names = {info.name for t in ckpt.experts.values()
+                        for info in (t.gate, t.up, t.down)}
+        infos = sorted((i for i in ckpt.tensors.values() if i.name not in expert_names),
+                       key=lambda i: (i.file, i.offset))
+        pin = device.type == "cuda"
+        self._host = {i.name: torch.empty(i.shape, dtype=i.dtype, pin_memory=pin)
+                      for i in infos}
+        futures = [reader.submit([ByteRange(i.file, i.offset, i.nbytes, i.name) for i in group],
+                                 [self._host[i.name] for i in group])
+                   for group in _groups(infos, DENSE_READ_GROUPS)]
+        for future in futures:
+            future.result()
 
     def __call__(self, name: str) -> torch.Tensor:
-        return self.ckpt.load(name).to(device=self.device, dtype=self.dtype)
+        return self._host[name].to(device=self.device, dtype=self.dtype)
+
+
+def _groups(infos: list[TensorInfo], count: int) -> list[list[TensorInfo]]:
+    """Split (in order) into about `count` groups of similar byte size."""
+    target = sum(i.nbytes for i in infos) / count
+    groups: list[list[TensorInfo]] = [[]]
+    for info in infos:
+        if groups[-1] and sum(i.nbytes for i in groups[-1]) >= target:
+            groups.append([])
+        groups[-1].append(info)
+    return groups
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                experts: ModelExperts) -> MoEDecoder:
     """The dense weights, read now; the experts stay with the pager (`experts`)."""
     spec = ckpt.spec
-    read = _DenseReader(ckpt, dtype, device)
+    read = _DenseReader(ckpt, dtype, device, experts.pager.loader.reader)
     embed = read("model.embed_tokens.weight")
     if spec.tie_word_embeddings and not ckpt.has("lm_head.weight"):
         lm_head = embed
