@@ -4,13 +4,14 @@
 Each trial is cold: the checkpoint's files are evicted from the page cache (fdatasync, then
 posix_fadvise DONTNEED; fincore confirms). TTFT = wall time from constructing the model (dense
 weights are read then) to the first token (prefill + argmax). Variants, round-robin:
-  paging        LLM(expert_memory=every expert's bytes): experts page in as routed; layer
-                L+1's predicted experts prefetch while L computes. paging-no-pf: no prefetch
+  paging        LLM(expert_memory=every expert's bytes): experts page in as routed (the
+                default: no predictive prefetch on CPU). paging+pf: layer L+1's predicted
+                experts also prefetch while L computes
   whole-model   LLM(expert_memory=None): every expert read at construction, then the prompt
   lazy-mmap     the pager filling slots from safetensors' mmap-backed tensors (page faults)
   warm          the paging LLM again on the same prompt (page cache warm, 0 misses): compute
 Per repeat, disk bandwidth = cold `dd bs=16M` over the shards. Needed bytes = dense + routed
-experts (paging-no-pf's misses: each routed expert misses once) x expert bytes; bound =
+experts (paging's misses: each routed expert misses once) x expert bytes; bound =
 needed / bandwidth. Split: construct; "in pager" = time the forward spends inside waves()
 and prefetch() (waiting for expert reads); compute = the rest; disk busy = wall time with an
 expert read in flight; CPU = the process's user+sys seconds (2 cores: I/O costs CPU too).
@@ -49,7 +50,7 @@ from mox.models import open_model
 from mox.pager import ExpertPager
 
 RESULTS_DIR = Path(__file__).parent / "results"
-VARIANTS = ("paging", "paging-no-pf", "whole-model", "lazy-mmap")
+VARIANTS = ("paging", "paging+pf", "whole-model", "lazy-mmap")
 SPLIT = ("ttft_s", "construct_s", "pager_s", "compute_s", "disk_busy_s", "cpu_s")
 WARM_RUNS = 2          # warm TTFT is the min of these (the first may still grow buffers)
 SLACK = 1.2            # the issue's target: paging <= SLACK x bound + warm
@@ -157,11 +158,12 @@ def run(variant: str, path: str, ids: list[int], budget: int) -> dict:
     start, cpu = time.perf_counter(), sum(os.times()[:2])   # user + sys
     if variant == "lazy-mmap":
         ckpt, pager = Checkpoint(path), ExpertPager(MmapExpertLoader())
-        model = open_model(ckpt, torch.bfloat16, torch.device("cpu"), pager, budget)
+        model = open_model(ckpt, torch.bfloat16, torch.device("cpu"), pager, budget,
+                           prefetch=False)
         first = lambda: int(model.forward(torch.tensor(ids), model.new_cache())[-1].argmax())
     else:
         llm = LLM(path, expert_memory=None if variant == "whole-model" else budget,
-                  prefetch=variant != "paging-no-pf")
+                  prefetch=variant == "paging+pf")
         ckpt, pager = llm.checkpoint, llm.pager
         first = lambda: llm.generate(prompt_token_ids=[ids], max_tokens=1, temperature=0.0,
                                      ignore_eos=True)[0].token_ids[0]
@@ -186,7 +188,8 @@ def summarize(n: int, trials: dict[str, list[dict]], gbps: float, dense: int,
               expert_bytes: int) -> dict:
     median = {v: {k: statistics.median(t[k] for t in rows) for k in SPLIT}
               for v, rows in trials.items()}
-    routed = trials["paging-no-pf"][0]["stats"]["misses"]
+    assert trials["paging"][0]["stats"]["prefetches"] == 0, "routed experts = paging's misses"
+    routed = trials["paging"][0]["stats"]["misses"]
     needed = dense + routed * expert_bytes
     bound = needed / (gbps * 1e9)
     warm = statistics.median(t["warm_s"] for t in trials["paging"])

@@ -53,11 +53,11 @@ class LLM:
     """`expert_memory`: device bytes for this model's expert slots (None: all resident);
     `host_memory`: a RAM cache of expert bytes between disk and device (None: off);
     `policy`: eviction policy (lru, lfu, rate); `prefetch`: predict and preload the next
-    layer's experts."""
+    layer's experts (None: on for CUDA, off on CPU; see `prefetch_by_default`)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
-                 policy: str = "rate", prefetch: bool = True, direct_io: bool = False):
+                 policy: str = "rate", prefetch: bool | None = None, direct_io: bool = False):
         if policy not in POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from {POLICIES}")
         self.device = torch.device(device)

@@ -48,7 +48,8 @@ def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
 
 
 def open_tiny(path: str, dtype: torch.dtype = torch.float32, expert_memory: int | None = None,
-              policy: str = "rate", prefetch: bool = True, host_memory: int | None = None):
+              policy: str = "rate", prefetch: bool | None = None,
+              host_memory: int | None = None):
     """A mox model on CPU with its own pager (all experts resident unless budgeted)."""
     from mox.loaders import Checkpoint
     from mox.models import open_model

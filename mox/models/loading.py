@@ -17,11 +17,21 @@ from mox.pager import ExpertPager
 DENSE_READ_GROUPS = 8     # enough reads in flight to keep the I/O threads and the disk busy
 
 
+def prefetch_by_default(device: torch.device) -> bool:
+    """Predictive prefetch pays where I/O and compute use different processors (a GPU). On a
+    CPU the I/O threads take cores from the compute, and wrong guesses cost disk time: on the
+    2-core dev machine it made cold TTFT slower at every prompt length
+    (bench/results/coldstart.md), so it is off there unless asked for."""
+    return device.type == "cuda"
+
+
 def open_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                pager: ExpertPager, expert_budget: int | None, policy: str = "rate",
-               prefetch: bool = True) -> MoEDecoder:
+               prefetch: bool | None = None) -> MoEDecoder:
     """Register the model's experts with the pager (all of them loaded now when there is no
-    budget) and read its dense weights."""
+    budget) and read its dense weights. `prefetch=None`: `prefetch_by_default(device)`."""
+    if prefetch is None:
+        prefetch = prefetch_by_default(device)
     pager.add_model(ckpt.path, ckpt, dtype, device, expert_budget, policy)
     experts = ModelExperts(pager, ckpt.path, prefetch_enabled=prefetch)
     if expert_budget is None:
