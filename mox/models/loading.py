@@ -19,9 +19,10 @@ DENSE_READ_GROUPS = 8     # enough reads in flight to keep the I/O threads and t
 
 def prefetch_by_default(device: torch.device) -> bool:
     """Predictive prefetch pays where I/O and compute use different processors (a GPU). On a
-    CPU the I/O threads take cores from the compute, and wrong guesses cost disk time: on the
-    2-core dev machine it made cold TTFT slower at every prompt length
-    (bench/results/coldstart.md), so it is off there unless asked for."""
+    CPU the I/O threads take cores from the compute and wrong guesses cost disk reads: on the
+    2-core dev machine it changed cold TTFT by -5%..+15% between runs (noise) while costing
+    25-40% more CPU time and 5-15% more bytes read (bench/results/coldstart.md), so it is off
+    there unless asked for."""
     return device.type == "cuda"
 
 
