@@ -51,7 +51,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 class LLM:
     """`expert_memory`: device bytes for this model's expert slots (None: all resident);
-    `host_memory`: a RAM cache of expert bytes between disk and device (None: off);
+    `host_memory`: a RAM cache of expert bytes between disk and device (None: on a GPU, the
+    model's expert bytes up to half the machine's RAM; on a CPU off, the page cache serves);
     `policy`: eviction policy (lru, lfu, rate); `prefetch`: predict and preload the next
     layer's experts (None: on for CUDA, off on CPU; see `prefetch_by_default`)."""
 
@@ -63,7 +64,10 @@ class LLM:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.checkpoint = Checkpoint(model)
-        self.pager = make_pager(self.device, parse_size(host_memory), direct_io)
+        host_bytes = parse_size(host_memory)
+        if host_bytes is None and self.device.type == "cuda":
+            host_bytes = default_host_cache_bytes(self.checkpoint)
+        self.pager = make_pager(self.device, host_bytes, direct_io)
         self.model: MoEDecoder = open_model(self.checkpoint, self.dtype, self.device,
                                             self.pager, parse_size(expert_memory), policy,
                                             prefetch)
@@ -135,6 +139,13 @@ class LLM:
                 reason: FinishReason) -> RequestOutput:
         text = None if self.tokenizer is None else self.tokenizer.decode(tokens)
         return RequestOutput(prompt, tokens, reason, text)
+
+
+def default_host_cache_bytes(ckpt: Checkpoint) -> int:
+    """With a GPU, keep what was read from disk in RAM: every expert of the model, capped at
+    half the machine's memory."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(len(ckpt.experts) * ckpt.expert_nbytes, ram // 2)
 
 
 def _eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
