@@ -1,7 +1,7 @@
 """GQA self-attention with the per-architecture extras (qkv bias, q/k norm, clip_qkv,
 sliding window), over one sequence's KV cache.
 
-Legend: T new tokens, P cached + new positions, H hidden, h heads, h_kv KV heads, d head_dim.
+Legend: T new tokens, K visible keys, H hidden, h heads, h_kv KV heads, d head_dim.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mox.loaders.spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
-from mox.models.kv_cache import SequenceKVCache
+from mox.models.forward_batch import ForwardBatch
 from mox.models.layers import Rotary, rms_norm
 
 
@@ -31,8 +31,9 @@ class AttentionWeights:
 
 
 def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
-              positions: torch.Tensor, rotary: Rotary, cache: SequenceKVCache) -> torch.Tensor:
-    """x `[T, H]` at `positions` `[T]` (consecutive, after the cached ones) -> `[T, H]`."""
+              rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
+    """x `[T, H]` (the batch's new tokens, flattened) -> `[T, H]`; writes their K/V to the
+    batch's KV store and attends over each token's own sequence."""
     num_tokens = x.shape[0]
     q = F.linear(x, w.q, w.q_bias)                          # [T, h*d]
     k = F.linear(x, w.k, w.k_bias)                          # [T, h_kv*d]
@@ -46,21 +47,12 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
     v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == QK_NORM_PER_HEAD:
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
-    q, k = rotary.apply(q, k, positions)
-    keys, values = cache.write(layer, int(positions[0]), k, v)   # [P, h_kv, d]
-    mask = _attention_mask(positions, keys.shape[0], spec.sliding_windows[layer])
+    q, k = rotary.apply(q, k, batch.positions)
+    batch.kv.write(layer, batch.slot_mapping, k, v)
+    keys, values = batch.kv.gather(layer, batch.kv_slots)                  # [K, h_kv, d]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),   # [h, T|P, d]
-        attn_mask=mask, enable_gqa=spec.num_heads != spec.num_kv_heads)
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),   # [h, T|K, d]
+        attn_mask=batch.attention_mask(spec.sliding_windows[layer]),
+        enable_gqa=spec.num_heads != spec.num_kv_heads)
     out = out.transpose(0, 1).reshape(num_tokens, spec.num_heads * spec.head_dim)
     return F.linear(out, w.o, w.o_bias)
-
-
-def _attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
-    """`[T, P]` bool, True where query t may attend key p: causal, within the window."""
-    key_pos = torch.arange(num_keys, device=positions.device)
-    distance = positions[:, None] - key_pos[None, :]         # [T, P]
-    allowed = distance >= 0
-    if window is not None:
-        allowed &= distance < window
-    return allowed

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from mox.loaders.spec import ModelSpec
 from mox.models.attention import AttentionWeights, attention
 from mox.models.experts import ModelExperts
-from mox.models.kv_cache import SequenceKVCache
+from mox.models.forward_batch import ForwardBatch
+from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
+from mox.models.kv_store import KVStore
 from mox.models.layers import MLPWeights, Rotary, rms_norm
 from mox.models.moe import MoEWeights, moe_block, route
 
@@ -50,31 +52,38 @@ class MoEDecoder:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def new_cache(self) -> SequenceKVCache:
+    def new_kv_store(self, block_size: int) -> KVStore:
         spec = self.spec
-        return SequenceKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype,
-                               self.device)
+        return KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype,
+                       self.device, block_size)
+
+    def new_cache(self) -> SequenceKVCache:
+        return SequenceKVCache(self.new_kv_store(SEQUENCE_BLOCK_SIZE))
+
+    def forward(self, input_ids: torch.Tensor, cache: SequenceKVCache) -> torch.Tensor:
+        """One sequence: run `input_ids` `[T]` after the cache's tokens; logits `[T, V]` f32."""
+        assert input_ids.dim() == 1 and input_ids.numel() > 0
+        return self.forward_batch(cache.batch_for(input_ids))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: SequenceKVCache) -> torch.Tensor:
-        """Run `input_ids` `[T]`, which follow the cache's tokens; returns logits `[T, V]` f32."""
-        assert input_ids.dim() == 1 and input_ids.numel() > 0
-        start = cache.num_tokens
-        positions = torch.arange(start, start + input_ids.numel(), device=self.device)  # [T]
-        x = F.embedding(input_ids.to(self.device), self.embed)                        # [T, H]
+    def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward over a flattened batch of sequences; logits `[S, V]` f32 of the tokens
+        in `batch.logits_indices` (all `[T, V]` when it is None)."""
+        x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            x = x + attention(self.spec, layer.attention, i, h, positions, self.rotary, cache)
+            x = x + attention(self.spec, layer.attention, i, h, self.rotary, batch)
             h = rms_norm(x, layer.post_attention_norm, eps)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)
                 x = x + moe_block(self.spec, layer.mlp, self.experts, h)
             else:
                 x = x + layer.mlp(h)
-        cache.num_tokens = start + input_ids.numel()
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]                                               # [S, H]
         x = rms_norm(x, self.final_norm, eps)
-        return F.linear(x, self.lm_head).float()                                      # [T, V]
+        return F.linear(x, self.lm_head).float()
 
     def _prefetch_next(self, current: MoEWeights, h: torch.Tensor) -> None:
         """The next MoE layer's router applied to this layer's input predicts its experts

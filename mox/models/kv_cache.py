@@ -1,40 +1,30 @@
-"""A contiguous KV cache for one sequence (the engine replaces it with the shared paged pool).
-
-Legend: L layers, P positions, h_kv KV heads, d head_dim.
-"""
+"""One sequence's KV cache on a private paged store: the convenience path for running a
+single sequence outside the engine (tests, tools). Slot p holds position p."""
 
 from __future__ import annotations
 
 import torch
 
-INITIAL_POSITIONS = 64  # grows by doubling, so a long generation reallocates O(log P) times
+from mox.models.forward_batch import ForwardBatch
+from mox.models.kv_store import KVStore
+
+SEQUENCE_BLOCK_SIZE = 64
 
 
 class SequenceKVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, INITIAL_POSITIONS, num_kv_heads, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)     # [L, P, h_kv, d]
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.num_tokens = 0     # positions [0, num_tokens) hold valid K/V in every layer
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.num_tokens = 0           # positions [0, num_tokens) hold valid K/V
 
-    def _reserve(self, num_positions: int) -> None:
-        capacity = self.keys.shape[1]
-        if num_positions <= capacity:
-            return
-        new_capacity = max(num_positions, 2 * capacity)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], new_capacity, *old.shape[2:]))
-            new[:, :capacity] = old
-            setattr(self, name, new)
-
-    def write(self, layer: int, start: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v `[T, h_kv, d]` at positions [start, start+T); return all keys and values
-        `[start+T, h_kv, d]` of that layer."""
-        end = start + k.shape[0]
-        self._reserve(end)
-        self.keys[layer, start:end] = k
-        self.values[layer, start:end] = v
-        return self.keys[layer, :end], self.values[layer, :end]
+    def batch_for(self, input_ids: torch.Tensor) -> ForwardBatch:
+        """The next `input_ids` `[T]` as a one-sequence batch; all their logits wanted."""
+        start, end = self.num_tokens, self.num_tokens + input_ids.numel()
+        self.store.ensure_blocks(-(-end // self.store.block_size))
+        device = self.store.device
+        new = torch.arange(start, end, device=device)                         # [T]
+        seen = torch.arange(end, device=device)                               # [K]
+        self.num_tokens = end
+        return ForwardBatch(
+            input_ids=input_ids.to(device), positions=new,
+            q_seq=torch.zeros_like(new), slot_mapping=new, kv_slots=seen,
+            kv_seq=torch.zeros_like(seen), kv_pos=seen, kv=self.store)

@@ -1,0 +1,44 @@
+"""What one forward pass over a flattened batch of sequences needs to know (the attention
+metadata), built by the engine's runner. All sequences belong to one model.
+
+Legend: T new tokens (all sequences, flattened), K visible keys (every batched sequence's
+cached + new tokens, concatenated), S sampled sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mox.models.kv_store import KVStore
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor          # [T] token ids
+    positions: torch.Tensor          # [T] position of each token in its sequence
+    q_seq: torch.Tensor              # [T] which batched sequence each token belongs to
+    slot_mapping: torch.Tensor       # [T] flat KV slot each new token's K/V goes to
+    kv_slots: torch.Tensor           # [K] flat KV slots of every key the batch attends to
+    kv_seq: torch.Tensor             # [K] sequence of each key
+    kv_pos: torch.Tensor             # [K] position of each key
+    kv: KVStore
+    logits_indices: torch.Tensor | None = None   # [S] tokens whose logits are wanted
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def attention_mask(self, window: int | None) -> torch.Tensor:
+        """`[T, K]` bool: a token sees its own sequence's keys at or before its position
+        (and within the sliding window); built once per window size per batch."""
+        mask = self._masks.get(window)
+        if mask is None:
+            distance = self.positions[:, None] - self.kv_pos[None, :]           # [T, K]
+            mask = (self.q_seq[:, None] == self.kv_seq[None, :]) & (distance >= 0)
+            if window is not None:
+                mask &= distance < window
+            self._masks[window] = mask
+        return mask
