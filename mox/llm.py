@@ -7,36 +7,40 @@
 
 from __future__ import annotations
 
-import enum
+import itertools
 import json
 import os
 
 import msgspec
 import torch
 
-from mox.errors import CheckpointError, InvalidRequestError
+from mox.engine.engine import Engine
+from mox.engine.scheduler import SchedulerConfig
+from mox.engine.sequence import FinishReason, Request
+from mox.errors import CheckpointError, InvalidRequestError, MoxError
 from mox.eviction import POLICIES
 from mox.loaders import Checkpoint
 from mox.models import MoEDecoder, open_model
 from mox.pager import make_pager
-from mox.sampling import SamplingParams, sample
+from mox.sampling import SamplingParams
 from mox.tokenizer import Tokenizer
 from mox.units import parse_size
 
+DEFAULT_KV_MEMORY = "1GiB"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"        # an eos / stop token or a stop string
-    LENGTH = "length"    # max_tokens or the model's context
-    ABORT = "abort"
+class CompletionOutput(msgspec.Struct, omit_defaults=True):
+    """One prompt's whole result."""
 
-
-class RequestOutput(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: FinishReason
     text: str | None = None
+    logprobs: list[float] | None = None
+
+
+RequestOutput = CompletionOutput   # the name DESIGN.md's offline API uses
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -58,7 +62,8 @@ class LLM:
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
-                 policy: str = "rate", prefetch: bool | None = None, direct_io: bool = False):
+                 policy: str = "rate", prefetch: bool | None = None, direct_io: bool = False,
+                 kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256):
         if policy not in POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from {POLICIES}")
         self.device = torch.device(device)
@@ -73,6 +78,11 @@ class LLM:
                                             prefetch)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint.path)
         self.eos_token_ids = _eos_token_ids(self.checkpoint, self.tokenizer)
+        self.name = self.checkpoint.path
+        self.engine = Engine(parse_size(kv_memory),
+                             config=SchedulerConfig(max_batched_tokens=max_batched_tokens))
+        self.engine.add_model(self.name, self.model, self.tokenizer, self.eos_token_ids)
+        self._request_counter = itertools.count()
 
     def pager_stats(self) -> dict:
         """hits, misses, prefetch_hits, bytes_read (disk + host), read_seconds,
@@ -83,15 +93,42 @@ class LLM:
                  prompt_token_ids: list[list[int]] | None = None, max_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  seed: int | None = None, stop: str | list[str] | None = None,
-                 stop_token_ids: list[int] | None = None,
-                 ignore_eos: bool = False) -> list[RequestOutput]:
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                 logprobs: bool = False) -> list[CompletionOutput]:
+        """All prompts go to the engine at once and are batched together."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-            extra_eos=self.eos_token_ids)
-        return [self._generate_one(ids, params) for ids in self._prompt_ids(prompts,
-                                                                            prompt_token_ids)]
+            logprobs=logprobs)
+        prompts_ids = self._prompt_ids(prompts, prompt_token_ids)
+        ids = [f"offline-{next(self._request_counter)}" for _ in prompts_ids]
+        results = {rid: CompletionOutput(p, [], FinishReason.LENGTH,
+                                         None if self.tokenizer is None else "",
+                                         [] if logprobs else None)
+                   for rid, p in zip(ids, prompts_ids)}
+        try:
+            for rid, prompt in zip(ids, prompts_ids):
+                self.engine.add_request(Request(rid, self.name, prompt, params))
+            pending = set(ids)
+            while pending:
+                for out in self.engine.step():
+                    result = results[out.request_id]
+                    result.token_ids += out.new_token_ids
+                    if result.text is not None:
+                        result.text += out.text_delta
+                    if out.logprobs is not None:
+                        result.logprobs += out.logprobs
+                    if out.finish_reason is not None:
+                        result.finish_reason = out.finish_reason
+                        pending.discard(out.request_id)
+                        if out.error is not None:
+                            raise self.engine.errors.pop(out.request_id, MoxError(out.error))
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)          # no-op for finished ones
+                self.engine.errors.pop(rid, None)
+        return [results[rid] for rid in ids]
 
     def _prompt_ids(self, prompts: str | list[str] | None,
                     prompt_token_ids: list[list[int]] | None) -> list[list[int]]:
@@ -103,42 +140,7 @@ class LLM:
                                           "pass prompt_token_ids")
             prompts = [prompts] if isinstance(prompts, str) else prompts
             prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
-        vocab = self.model.spec.vocab_size
-        for ids in prompt_token_ids:
-            if not ids:
-                raise InvalidRequestError("empty prompt")
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return prompt_token_ids
-
-    def _generate_one(self, prompt: list[int], params: SamplingParams) -> RequestOutput:
-        max_positions = self.model.spec.max_position_embeddings
-        if len(prompt) >= max_positions:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the model's context "
-                                      f"is {max_positions}")
-        generator = params.new_generator(self.device)
-        cache = self.model.new_cache()
-        logits = self.model.forward(torch.tensor(prompt), cache)[-1]
-        tokens: list[int] = []
-        text = None
-        while True:
-            token = sample(logits, params, generator)
-            tokens.append(token)
-            if params.is_stop_token(token):
-                return self._output(prompt, tokens, FinishReason.STOP)
-            if params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens)
-                cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    return RequestOutput(prompt, tokens, FinishReason.STOP, text[:cut])
-            if len(tokens) >= params.max_tokens or cache.num_tokens + 1 >= max_positions:
-                return self._output(prompt, tokens, FinishReason.LENGTH)
-            logits = self.model.forward(torch.tensor([token]), cache)[-1]
-
-    def _output(self, prompt: list[int], tokens: list[int],
-                reason: FinishReason) -> RequestOutput:
-        text = None if self.tokenizer is None else self.tokenizer.decode(tokens)
-        return RequestOutput(prompt, tokens, reason, text)
+        return [list(p) for p in prompt_token_ids]
 
 
 def default_host_cache_bytes(ckpt: Checkpoint) -> int:

@@ -24,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False                # report the log-probability of each chosen token
     extra_eos: tuple[int, ...] = field(default=(), repr=False)   # the model's eos ids
 
     def __post_init__(self) -> None:

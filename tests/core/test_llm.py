@@ -59,7 +59,7 @@ def test_eos_ends_generation_unless_ignored(llm, monkeypatch):
     greedy = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]
     eos = greedy.token_ids[2]
     first = greedy.token_ids.index(eos)
-    monkeypatch.setattr(llm, "eos_token_ids", (eos,))
+    monkeypatch.setattr(llm.engine.models[llm.name], "eos_token_ids", (eos,))
     out = llm.generate("Hello", max_tokens=8, temperature=0.0)[0]
     assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
     ignored = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]

@@ -1,0 +1,148 @@
+"""The engine: models, their sequences, one KV pool, and `step()`, which schedules one batch
+of one model, runs it, samples, detokenizes and finishes sequences. Not thread-safe: the
+offline `LLM` calls it directly, `AsyncEngine` from its own thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import msgspec
+
+from mox.engine.detokenizer import IncrementalDetokenizer
+from mox.engine.kv_pool import KVPool
+from mox.engine.runner import ModelRunner, SampledToken
+from mox.engine.scheduler import Scheduler, SchedulerConfig
+from mox.engine.sequence import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+)
+from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
+from mox.models import MoEDecoder
+from mox.tokenizer import Tokenizer
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class _Model:
+    runner: ModelRunner
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+
+
+class Engine:
+    def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 config: SchedulerConfig | None = None) -> None:
+        self.kv_pool = KVPool(kv_memory_bytes, block_size)
+        self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
+        self.models: dict[str, _Model] = {}
+        self._live: dict[str, _Live] = {}
+        self.errors: dict[str, MoxError] = {}      # why a request aborted; its owner pops it
+
+    def add_model(self, name: str, model: MoEDecoder, tokenizer: Tokenizer | None,
+                  eos_token_ids: tuple[int, ...]) -> None:
+        kv = model.new_kv_store(self.kv_pool.block_size)
+        self.kv_pool.add_model(name, kv)
+        self.scheduler.add_model(name)
+        self.models[name] = _Model(ModelRunner(model, kv), tokenizer, eos_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        model = self.models.get(request.model)
+        if model is None:
+            raise ModelNotFoundError(f"model {request.model!r} is not served")
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        spec = model.runner.model.spec
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("empty prompt")
+        if not all(isinstance(t, int) and 0 <= t < spec.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in "
+                                      f"[0, {spec.vocab_size})")
+        if len(prompt) >= spec.max_position_embeddings:
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the model's context "
+                                      f"is {spec.max_position_embeddings}")
+        needed = self.kv_pool.blocks_needed(len(prompt) + 1) * model.runner.kv.block_nbytes
+        if needed > self.kv_pool.budget_bytes:
+            raise InvalidRequestError(f"prompt needs {needed} bytes of KV cache; the pool "
+                                      f"holds {self.kv_pool.budget_bytes}")
+        params = replace(request.params, extra_eos=model.eos_token_ids)
+        seq = Sequence(msgspec.structs.replace(request, params=params),
+                       params.new_generator(model.runner.model.device))
+        detok = (IncrementalDetokenizer(model.tokenizer, params.stop)
+                 if model.tokenizer is not None else None)
+        self._live[request.request_id] = _Live(seq, detok)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Free the request's KV at once (between steps no lease is held)."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        return self._finish(live, FinishReason.ABORT, [], "")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
+                   for s in self.scheduler.out_of_kv]
+        self.scheduler.out_of_kv.clear()
+        if batch is None:
+            return outputs
+        try:
+            sampled = self.models[batch.model].runner.run(batch)
+        except MoxError as e:          # e.g. a checkpoint file lost while serving
+            for item in batch.sequences:
+                self.errors[item.seq.request_id] = e
+            return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
+                                           [], "", error=str(e)) for item in batch.sequences]
+        return outputs + [self._advance(self._live[s.seq.request_id], s) for s in sampled]
+
+    def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:
+        seq, token = live.seq, sampled.token_id
+        seq.output_token_ids.append(token)
+        if sampled.logprob is not None:
+            seq.output_logprobs.append(sampled.logprob)
+        reason = self._finish_reason(seq, token)
+        delta = ""
+        if live.detokenizer is not None:
+            delta = live.detokenizer.push([token], final=reason is not None)
+            if live.detokenizer.stopped:
+                reason = FinishReason.STOP
+        logprobs = [sampled.logprob] if sampled.logprob is not None else None
+        if reason is not None:
+            return self._finish(live, reason, [token], delta, logprobs)
+        return RequestOutput(seq.request_id, [token], delta, logprobs=logprobs)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if seq.params.is_stop_token(token):
+            return FinishReason.STOP
+        context = self.models[seq.model].runner.model.spec.max_position_embeddings
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= context:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], delta: str,
+                logprobs: list[float] | None = None, error: str | None = None) -> RequestOutput:
+        seq = live.seq
+        self.scheduler.release(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self._live[seq.request_id]
+        return RequestOutput(seq.request_id, tokens, delta, reason, logprobs, error)

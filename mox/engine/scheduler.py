@@ -1,0 +1,161 @@
+"""The scheduler: which model runs next, and which of its sequences, with how many tokens.
+
+Design note.
+- Token-level switching: each step runs one batch of one model. The model whose queue has
+  waited longest since it last ran goes next (round robin among models with work, so none
+  starves and a cold model's first request is served between the hot models' steps).
+- Within a model: running sequences first (decodes, and prefills still in progress), then
+  waiting ones in arrival order, until the step's token budget or sequence cap is reached.
+  A long prompt is prefilled in chunks of at most the token budget, so it cannot stall the
+  decodes that share its steps.
+- KV: a sequence gets the blocks its new tokens need before it is scheduled. When the pool is
+  full, the newest running sequence (of any model) is preempted: its blocks are freed and it
+  waits to be recomputed. A sequence that cannot fit even alone fails instead of looping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mox.engine.kv_pool import KVPool
+from mox.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = 256     # tokens per step: bounds a prefill chunk's latency
+    max_running_sequences: int = 64
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int               # tokens of this sequence computed in this step
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the sequence's last token (so a new token is sampled)?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    model: str
+    sequences: list[ScheduledSequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+
+@dataclass
+class _ModelQueue:
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    last_run: float = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_pool: KVPool) -> None:
+        self.config = config
+        self.kv_pool = kv_pool
+        self.queues: dict[str, _ModelQueue] = {}
+        self._in_step: set[int] = set()       # ids of the sequences scheduled this step
+        # sequences that cannot grow even with every other sequence preempted: the KV pool is
+        # their context limit, so the engine finishes them (reason "length")
+        self.out_of_kv: list[Sequence] = []
+
+    def add_model(self, name: str) -> None:
+        self.queues[name] = _ModelQueue()
+
+    def add(self, seq: Sequence) -> None:
+        self.queues[seq.model].waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return any(q.has_work for q in self.queues.values())
+
+    def schedule(self) -> Batch | None:
+        candidates = [(q.last_run, name) for name, q in self.queues.items() if q.has_work]
+        if not candidates:
+            return None
+        _, model = min(candidates)
+        queue = self.queues[model]
+        queue.last_run = time.monotonic()
+        budget = self.config.max_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        self._in_step = set()
+        for seq in list(queue.running):
+            if seq.status != SequenceStatus.RUNNING:     # preempted by an earlier allocation
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                continue
+            if self._reserve(seq, num_new):
+                scheduled.append(ScheduledSequence(seq, num_new))
+                self._in_step.add(id(seq))
+                budget -= num_new
+            elif self._newest_running(exclude=seq) is None and not scheduled:
+                self.release(seq)
+                self.out_of_kv.append(seq)
+            else:
+                self.preempt(seq)
+        max_running = self.config.max_running_sequences
+        while queue.waiting and budget > 0 and len(queue.running) < max_running:
+            seq = queue.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, num_new, may_preempt=False):
+                break
+            queue.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            queue.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        assert budget >= 0 and all(s.num_new_tokens > 0 for s in scheduled)
+        return Batch(model, scheduled) if scheduled else None
+
+    def _reserve(self, seq: Sequence, num_new: int, may_preempt: bool = True) -> bool:
+        """Blocks for `num_new` more tokens of `seq`, preempting newer sequences if need be."""
+        needed = (self.kv_pool.blocks_needed(seq.num_computed_tokens + num_new)
+                  - len(seq.block_table))
+        while needed > 0:
+            blocks = self.kv_pool.allocate(seq.model, needed)
+            if blocks is not None:
+                seq.block_table += blocks
+                return True
+            victim = self._newest_running(exclude=seq) if may_preempt else None
+            if victim is None or victim.arrival_time < seq.arrival_time:
+                return False                 # only older work holds the pool: seq yields
+            self.preempt(victim)
+        return True
+
+    def _newest_running(self, exclude: Sequence) -> Sequence | None:
+        """The preemption victim: newest running sequence not already in this step."""
+        running = [s for q in self.queues.values() for s in q.running
+                   if s is not exclude and id(s) not in self._in_step]
+        return max(running, key=lambda s: s.arrival_time, default=None)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's KV and put it back at the head of its queue (recompute)."""
+        self.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.queues[seq.model].waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence from the running set and return its blocks."""
+        queue = self.queues[seq.model]
+        if seq in queue.running:
+            queue.running.remove(seq)
+        if seq in queue.waiting:
+            queue.waiting.remove(seq)
+        if seq.block_table:
+            self.kv_pool.free(seq.model, seq.block_table)
+            seq.block_table = []

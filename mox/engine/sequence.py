@@ -1,0 +1,96 @@
+"""Requests, sequences and the messages the engine hands back.
+
+A sequence moves WAITING -> RUNNING -> FINISHED; a preempted one goes back to WAITING with
+its KV freed and is recomputed (prompt plus the tokens it already produced) when readmitted.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from mox.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # an eos / stop token or a stop string
+    LENGTH = "length"    # max_tokens or the model's context
+    ABORT = "abort"      # cancelled by the client, or failed
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
+    """Incremental: the tokens and text this step added; `finish_reason` once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request: Request
+    generator: torch.Generator
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt = self.request.prompt_token_ids
+        return (prompt + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
