@@ -47,7 +47,8 @@ class KVPool:
         m = self._models[model]
         while len(m.free) < num_blocks:                  # grow the model's store
             start = m.store.num_blocks
-            m.store.ensure_blocks(start + num_blocks - len(m.free))
+            m.store.ensure_blocks(start + num_blocks - len(m.free),
+                                  max_blocks=self.budget_bytes // m.store.block_nbytes)
             m.free.extend(range(start, m.store.num_blocks))
         blocks, m.free = m.free[:num_blocks], m.free[num_blocks:]
         m.num_used += num_blocks

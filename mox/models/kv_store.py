@@ -29,11 +29,14 @@ class KVStore:
     def num_blocks(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
 
-    def ensure_blocks(self, num_blocks: int) -> None:
+    def ensure_blocks(self, num_blocks: int, max_blocks: int | None = None) -> None:
+        """At least `num_blocks` blocks: doubling (amortised copies), but never past
+        `max_blocks` (the pool's budget) unless `num_blocks` itself is."""
         if num_blocks <= self.num_blocks:
             return
         old = self.num_blocks
-        shape = (max(num_blocks, 2 * old), self.block_size, self.num_kv_heads, self.head_dim)
+        size = max(num_blocks, min(2 * old, max_blocks or 2 * old))
+        shape = (size, self.block_size, self.num_kv_heads, self.head_dim)
 
         def grown(layer: int, store: list[torch.Tensor]) -> torch.Tensor:
             tensor = torch.empty(shape, dtype=self.dtype, device=self.device)

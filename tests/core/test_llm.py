@@ -91,3 +91,20 @@ def test_prompt_longer_than_context_is_refused(llm):
 def test_float16_on_cpu_is_refused(demo_home):
     with pytest.raises(InvalidRequestError, match="float16"):
         LLM(os.path.join(demo_home, "models", "olmoe-demo"), dtype="float16")
+
+
+def test_logprobs_of_chosen_tokens(llm):
+    out = llm.generate("Hello", max_tokens=6, temperature=0.0, ignore_eos=True,
+                       logprobs=True)[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    assert all(lp <= 0.0 for lp in out.logprobs)
+    assert llm.generate("Hello", max_tokens=6, temperature=0.0)[0].logprobs is None
+
+
+def test_many_prompts_batch_and_equal_single_runs(llm):
+    prompts = ["Hello", "The capital of France", "Once upon a time there was", "A"]
+    batched = llm.generate(prompts, max_tokens=6, temperature=0.0, ignore_eos=True)
+    single = [llm.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True)[0]
+              for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]
+    assert llm.engine.kv_pool.used_bytes == 0
