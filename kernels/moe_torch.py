@@ -6,9 +6,9 @@ Legend: T tokens, k experts per token, P = T*k pairs, E logical experts, S slots
 H hidden, I intermediate.
 
 Two ways to run the per-slot GEMMs, picked by how many rows an expert gets on average:
-- few rows (decode, short prefills): `torch.nn.functional.grouped_mm` over all slots at once,
-  where this torch has it on this device; one call replaces E Python-level matmuls, which
-  dominate when each is a handful of rows and the weights stream from memory;
+- few rows (decode, short prefills) over a densely used slot range:
+  `torch.nn.functional.grouped_mm` over that range at once, where this torch has it on this
+  device; one call replaces many Python-level matmuls;
 - many rows: one `torch.mm` per slot into preallocated buffers, which on CPU beats grouped_mm
   once each expert has a few hundred rows (measured: bench/results/kernels_cpu.md).
 """
@@ -23,6 +23,9 @@ import torch.nn.functional as F
 NOT_RESIDENT = -1
 # Above this many rows per active expert the per-slot loop wins over grouped_mm on CPU.
 GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
+# torch's CPU grouped_mm visits every group, empty or not (a few small ops each): it pays only
+# when most slots of the range it is given are in use.
+GROUPED_MM_MIN_ACTIVE_FRACTION = 0.5
 
 
 @dataclass
@@ -62,11 +65,14 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_rows = order.numel()
     rows = ws.get("rows", num_rows, hidden, x.dtype, x.device)
     torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
-    num_active = int((counts > 0).sum())
-    if _has_grouped_mm(x) and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(num_active, 1):
-        down = _grouped_experts(rows, w13, w2, counts)
+    active = torch.nonzero(counts).flatten().tolist()                     # one host sync
+    lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
+    if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
+            and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
+        # only the slot range in use: rows are sorted by slot, so its offsets line up
+        down = _grouped_experts(rows, w13[lo:hi], w2[lo:hi], counts[lo:hi])
     else:
-        down = _looped_experts(rows, w13, w2, counts, ws)                 # [P', H]
+        down = _looped_experts(rows, w13, w2, counts, active, ws)         # [P', H]
     contrib = ws.get("contrib", num_rows, hidden, torch.float32, x.device)
     # fp32 accumulation: k bf16 contributions summed in bf16 lose ~3 bits each
     torch.mul(down, topk_weights.reshape(-1)[order, None], out=contrib)
@@ -85,15 +91,13 @@ def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _looped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    counts: torch.Tensor, ws: MoEWorkspace) -> torch.Tensor:
+                    counts: torch.Tensor, active: list[int], ws: MoEWorkspace) -> torch.Tensor:
     num_rows, inter, hidden = rows.shape[0], w2.shape[2], w2.shape[1]
     gate_up = ws.get("gate_up", num_rows, 2 * inter, rows.dtype, rows.device)
     act = ws.get("act", num_rows, inter, rows.dtype, rows.device)
     down = ws.get("down", num_rows, hidden, rows.dtype, rows.device)
     start = 0
-    for slot, length in enumerate(counts.tolist()):                       # one host sync
-        if length == 0:
-            continue
+    for slot, length in zip(active, counts[active].tolist()):
         end = start + length
         torch.mm(rows[start:end], w13[slot].t(), out=gate_up[start:end])
         torch.mul(F.silu(gate_up[start:end, :inter]), gate_up[start:end, inter:],

@@ -24,6 +24,7 @@ from tests.kernels.problems import make_problem
 def test_torch_path_matches_reference(num_tokens, hidden, inter, num_experts, k, num_slots,
                                       dtype, atol, grouped_mm_max_rows, monkeypatch):
     monkeypatch.setattr(moe_torch, "GROUPED_MM_MAX_ROWS_PER_EXPERT", grouped_mm_max_rows)
+    monkeypatch.setattr(moe_torch, "GROUPED_MM_MIN_ACTIVE_FRACTION", 0.0)
     args = make_problem(num_tokens, hidden, inter, num_experts, k, num_slots, dtype,
                         num_missing=num_experts // 4)
     expected = reference_fused_moe(*args)
