@@ -56,7 +56,7 @@ class ModelRunner:
 
         return ForwardBatch(tensor(ids), tensor(pos), tensor(q_seq), tensor(new_slots),
                             tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
-                            logits_indices=tensor(sample_at))
+                            logits_indices=tensor(sample_at), max_position=max(pos))
 
     def run(self, batch: Batch) -> list[SampledToken]:
         forward = self.build(batch)

@@ -47,7 +47,7 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
     v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == QK_NORM_PER_HEAD:
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
-    q, k = rotary.apply(q, k, batch.positions)
+    q, k = rotary.apply(q, k, batch.rotary_tables(rotary))
     batch.kv.write(layer, batch.slot_mapping, k, v)
     keys, values = batch.kv.gather(layer, batch.kv_slots)                  # [K, h_kv, d]
     out = F.scaled_dot_product_attention(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mox.models.kv_store import KVStore
+from mox.models.layers import Rotary
 
 
 @dataclass
@@ -25,20 +26,28 @@ class ForwardBatch:
     kv_pos: torch.Tensor             # [K] position of each key
     kv: KVStore
     logits_indices: torch.Tensor | None = None   # [S] tokens whose logits are wanted
-    _masks: dict = field(default_factory=dict, repr=False)
+    max_position: int = 0                         # largest entry of `positions` (host int)
+    _memo: dict = field(default_factory=dict, repr=False)   # per-batch memo: masks, rotary
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def rotary_tables(self, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin of this batch's positions, computed once for all layers."""
+        tables = self._memo.get("rotary")
+        if tables is None:
+            tables = self._memo["rotary"] = rotary.tables(self.positions, self.max_position)
+        return tables
+
     def attention_mask(self, window: int | None) -> torch.Tensor:
         """`[T, K]` bool: a token sees its own sequence's keys at or before its position
         (and within the sliding window); built once per window size per batch."""
-        mask = self._masks.get(window)
+        mask = self._memo.get(window)
         if mask is None:
             distance = self.positions[:, None] - self.kv_pos[None, :]           # [T, K]
             mask = (self.q_seq[:, None] == self.kv_seq[None, :]) & (distance >= 0)
             if window is not None:
                 mask &= distance < window
-            self._masks[window] = mask
+            self._memo[window] = mask
         return mask

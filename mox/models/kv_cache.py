@@ -27,4 +27,4 @@ class SequenceKVCache:
         return ForwardBatch(
             input_ids=input_ids.to(device), positions=new,
             q_seq=torch.zeros_like(new), slot_mapping=new, kv_slots=seen,
-            kv_seq=torch.zeros_like(seen), kv_pos=seen, kv=self.store)
+            kv_seq=torch.zeros_like(seen), kv_pos=seen, kv=self.store, max_position=end - 1)

@@ -33,13 +33,19 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)            # [P, d]
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q `[T, h, d]` and k `[T, h_kv, d]` by their token positions `[T]`."""
-        if int(positions.max()) >= self.cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
-        cos = self.cos[positions].unsqueeze(1)              # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor,
+               max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, 1, d]` for token positions `[T]` (all below `max_position`); a
+        batch computes them once and every layer reuses them."""
+        if max_position >= self.cos.shape[0]:
+            self._grow(max_position + 1)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor,
+              tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q `[T, h, d]` and k `[T, h_kv, d]` by their tokens' `tables`."""
+        cos, sin = tables
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
