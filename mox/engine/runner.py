@@ -13,9 +13,11 @@ import torch
 from mox.engine.scheduler import Batch
 from mox.engine.sequence import Sequence
 from mox.models import MoEDecoder
-from mox.models.forward_batch import ForwardBatch
+from mox.models.forward_batch import ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
 from mox.sampling import sample
+
+PAD_POSITION = 1 << 40      # a padding key's position: after every query, so always masked
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,38 @@ class ModelRunner:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return ForwardBatch(tensor(ids), tensor(pos), tensor(q_seq), tensor(new_slots),
-                            tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
-                            logits_indices=tensor(sample_at), max_position=max(pos))
+        forward = ForwardBatch(tensor(ids), tensor(pos), tensor(q_seq), tensor(new_slots),
+                               tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
+                               logits_indices=tensor(sample_at), max_position=max(pos))
+        forward.padded = self._padded_layout(batch, len(ids), len(kv_slots))
+        return forward
+
+    def _padded_layout(self, batch: Batch, num_tokens: int, num_keys: int) -> PaddedLayout | None:
+        """Per-sequence rows, when that attends over fewer (query, key) pairs than the flat
+        block-diagonal layout (many decodes: B x 1 x P instead of B x B x P)."""
+        items = batch.sequences
+        max_new = max(item.num_new_tokens for item in items)
+        ends = [item.seq.num_computed_tokens + item.num_new_tokens for item in items]
+        if len(items) < 2 or len(items) * max_new * max(ends) >= num_tokens * num_keys:
+            return None
+        bs, first = self.kv.block_size, 0
+        q_index, q_pos, kv_slots, kv_pos = [], [], [], []
+        for item, end in zip(items, ends):
+            start = end - item.num_new_tokens
+            pad_q, pad_k = max_new - item.num_new_tokens, max(ends) - end
+            q_index.append(list(range(first, first + item.num_new_tokens)) + [0] * pad_q)
+            q_pos.append(list(range(start, end)) + [0] * pad_q)
+            kv_slots.append(_slots(item.seq.block_table, 0, end, bs) + [0] * pad_k)
+            kv_pos.append(list(range(end)) + [PAD_POSITION] * pad_k)
+            first += item.num_new_tokens
+        device = self.model.device
+        q_index_t = torch.tensor(q_index, dtype=torch.long, device=device)
+        valid = torch.tensor([[j < item.num_new_tokens for j in range(max_new)]
+                              for item in items], device=device)
+        return PaddedLayout(q_index_t, valid,
+                            torch.tensor(q_pos, dtype=torch.long, device=device),
+                            torch.tensor(kv_slots, dtype=torch.long, device=device),
+                            torch.tensor(kv_pos, dtype=torch.long, device=device))
 
     def run(self, batch: Batch) -> list[SampledToken]:
         forward = self.build(batch)

@@ -49,10 +49,31 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
     q, k = rotary.apply(q, k, batch.rotary_tables(rotary))
     batch.kv.write(layer, batch.slot_mapping, k, v)
-    keys, values = batch.kv.gather(layer, batch.kv_slots)                  # [K, h_kv, d]
+    window = spec.sliding_windows[layer]
+    if batch.padded is not None:
+        out = _padded_attention(spec, layer, q, batch, window)
+    else:
+        keys, values = batch.kv.gather(layer, batch.kv_slots)              # [K, h_kv, d]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [h, T|K, d]
+            attn_mask=batch.attention_mask(window),
+            enable_gqa=spec.num_heads != spec.num_kv_heads).transpose(0, 1)
+    return F.linear(out.reshape(num_tokens, spec.num_heads * spec.head_dim), w.o, w.o_bias)
+
+
+def _padded_attention(spec: ModelSpec, layer: int, q: torch.Tensor, batch: ForwardBatch,
+                      window: int | None) -> torch.Tensor:
+    """Per-sequence attention as one padded batch: q `[T, h, d]` -> `[T, h, d]`.
+    Legend: B sequences, Tq / Pk the most new tokens / keys of any of them."""
+    pad = batch.padded
+    num_seqs, max_keys = pad.kv_slots.shape
+    keys, values = batch.kv.gather(layer, pad.kv_slots.reshape(-1))        # [B*Pk, h_kv, d]
+    keys = keys.view(num_seqs, max_keys, *keys.shape[1:]).transpose(1, 2)   # [B, h_kv, Pk, d]
+    values = values.view(num_seqs, max_keys, *values.shape[1:]).transpose(1, 2)
+    queries = q[pad.q_index].transpose(1, 2)                                # [B, h, Tq, d]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),   # [h, T|K, d]
-        attn_mask=batch.attention_mask(spec.sliding_windows[layer]),
-        enable_gqa=spec.num_heads != spec.num_kv_heads)
-    out = out.transpose(0, 1).reshape(num_tokens, spec.num_heads * spec.head_dim)
-    return F.linear(out, w.o, w.o_bias)
+        queries, keys, values, attn_mask=pad.mask(window)[:, None],
+        enable_gqa=spec.num_heads != spec.num_kv_heads).transpose(1, 2)     # [B, Tq, h, d]
+    flat = torch.empty_like(q)
+    flat[pad.q_index[pad.q_valid]] = out[pad.q_valid]
+    return flat

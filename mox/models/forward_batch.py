@@ -16,6 +16,32 @@ from mox.models.layers import Rotary
 
 
 @dataclass
+class PaddedLayout:
+    """The same batch as B padded rows, for per-sequence attention: cheaper than the flat
+    block-diagonal mask when many sequences decode (cost B x Tq x Pk instead of T x K).
+    Legend: B sequences, Tq / Pk the most new tokens / keys of any one of them."""
+
+    q_index: torch.Tensor            # [B, Tq] flat token index (padding: 0)
+    q_valid: torch.Tensor            # [B, Tq] bool
+    q_pos: torch.Tensor              # [B, Tq] positions
+    kv_slots: torch.Tensor           # [B, Pk] flat KV slots (padding: 0)
+    kv_pos: torch.Tensor             # [B, Pk] positions (padding: beyond any query)
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """`[B, Tq, Pk]` bool; padding queries see key 0, so no row is empty (NaN)."""
+        mask = self._memo.get(window)
+        if mask is None:
+            distance = self.q_pos[:, :, None] - self.kv_pos[:, None, :]      # [B, Tq, Pk]
+            mask = distance >= 0
+            if window is not None:
+                mask &= distance < window
+            mask[:, :, 0] |= ~self.q_valid
+            self._memo[window] = mask
+        return mask
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] token ids
     positions: torch.Tensor          # [T] position of each token in its sequence
@@ -27,6 +53,7 @@ class ForwardBatch:
     kv: KVStore
     logits_indices: torch.Tensor | None = None   # [S] tokens whose logits are wanted
     max_position: int = 0                         # largest entry of `positions` (host int)
+    padded: PaddedLayout | None = None            # set when per-sequence attention is cheaper
     _memo: dict = field(default_factory=dict, repr=False)   # per-batch memo: masks, rotary
 
     @property

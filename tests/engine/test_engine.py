@@ -136,3 +136,19 @@ def test_seeded_sampling_is_reproducible_in_a_batch(hf_checkpoints):
             max_tokens=12, temperature=1.0, seed=seed_b, ignore_eos=True)))
         return _tokens(_run(engine)["a"])
     assert run(1) == run(2)        # a's seed alone decides its tokens, whatever shares the batch
+
+
+def test_padded_and_flat_attention_layouts_agree(hf_checkpoints):
+    engine, models = _engine(hf_checkpoints, names=("mixtral",), max_batched_tokens=64)
+    for i, prompt in enumerate(_prompts(models["mixtral"].spec.vocab_size, [4, 11, 7], 5)):
+        engine.add_request(Request(f"r{i}", "mixtral", prompt, GREEDY))
+    for _ in range(3):                            # prefill, then decodes: several sequences
+        engine.step()
+    batch = engine.scheduler.schedule()
+    runner = engine.models["mixtral"].runner
+    forward = runner.build(batch)
+    assert forward.padded is not None             # decodes: per-sequence rows are cheaper
+    padded = models["mixtral"].forward_batch(forward)
+    forward.padded = None                         # same batch, flat block-diagonal mask
+    torch.testing.assert_close(models["mixtral"].forward_batch(forward), padded,
+                               atol=1e-5, rtol=1e-5)
