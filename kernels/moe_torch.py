@@ -52,6 +52,8 @@ def _has_grouped_mm(x: torch.Tensor) -> bool:
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
                     workspace: MoEWorkspace | None = None) -> torch.Tensor:
+    if topk_ids.shape[0] == 1:
+        return _one_token(x, w13, w2, topk_weights, slot_of[topk_ids[0].long()].tolist())
     ws = workspace or MoEWorkspace()
     num_tokens, k = topk_ids.shape
     num_slots, hidden, inter = w2.shape
@@ -79,6 +81,20 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, contrib)
     return out.to(x.dtype)
+
+
+def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               topk_weights: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """Decode of one sequence: k matrix-vector products, none of the sorting machinery."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)      # [H]
+    for slot, weight in zip(slots, topk_weights[0].tolist()):
+        if slot == NOT_RESIDENT:
+            continue
+        gate_up = torch.mv(w13[slot], x[0])                                  # [2I]
+        act = F.silu(gate_up[:inter]) * gate_up[inter:]                      # [I]
+        out.add_(torch.mv(w2[slot], act).float(), alpha=weight)
+    return out.to(x.dtype)[None]                                             # [1, H]
 
 
 def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
