@@ -209,8 +209,8 @@ def diagnosis(r: dict) -> list[str]:
         f"- 1 seq: 1.5x needs <= {need:.1f} ms/token ({b['mox_ms'] - need:.1f} ms less). "
         f"Where it can come from: the MoE kernel reads experts at {one['expert_gbps']:.1f} GB/s"
         f" where a GEMV reads {r['gemv_gbps']:.1f} (at that rate {kernel_floor:.1f} ms, not "
-        f"{one['fused_moe_ms']:.1f}: its sort/bincount/nonzero/index_add, and 2 small GEMVs per"
-        " expert, 2 and 1 MiB, which read slower than long ones); glue beyond the GEMMs in "
+        f"{one['fused_moe_ms']:.1f}: k pairs of small GEMVs per layer, 2 and 1 MiB each, read"
+        " slower than one long one); glue beyond the GEMMs in "
         f"attention {one['glue']['attention']:.1f} ms (rotary, KV write/gather, mask, SDPA), "
         f"in MoE blocks outside the kernel {one['glue']['moe_block']:.1f} (routing, leases), and "
         f"{one['glue']['rest']:.1f} in the rest (norms, sampling, engine).",
@@ -219,10 +219,9 @@ def diagnosis(r: dict) -> list[str]:
         f"{c[widest]['step_bytes'] / 1e9:.2f} GB of weights, for every engine. Even at the GEMV"
         f" bandwidth the bound allows at most {ceiling} over the baseline: 4x at {widest} is "
         f"out of reach here. mox's own losses: attention "
-        f"{r['step'][widest]['glue']['attention']:.0f} ms a step beyond its GEMMs (one masked "
-        "SDPA over every batched sequence's keys: a [T, K] mask, K = all sequences' tokens, "
-        "work growing with n^2, where per-sequence paged attention does n x less), and the "
-        f"MoE kernel at {r['step'][widest]['expert_gbps']:.1f} GB/s.",
+        f"{r['step'][widest]['glue']['attention']:.0f} ms a step beyond its GEMMs (gathering "
+        "each sequence's keys from the paged store into padded rows for SDPA, every layer), "
+        f"and the MoE kernel at {r['step'][widest]['expert_gbps']:.1f} GB/s.",
     ]
 
 
