@@ -51,6 +51,7 @@ class SlotPool:
         self.w2 = torch.empty(num_slots, self.hidden, self.inter, dtype=self.dtype,
                               device=self.device)                         # [S, H, I]
         self.slots = [Slot() for _ in range(num_slots)]
+        self._num_occupied = 0
 
     @property
     def expert_nbytes(self) -> int:
@@ -62,8 +63,8 @@ class SlotPool:
 
     @property
     def num_occupied(self) -> int:
-        """Resident or loading: what the budget counts."""
-        return sum(s.key is not None for s in self.slots)
+        """Resident or loading: what the budget counts (kept as a count: asked per lease)."""
+        return self._num_occupied
 
     @property
     def is_quiet(self) -> bool:
@@ -94,6 +95,7 @@ class SlotPool:
         assert slot.key is None and slot.pins == 0, (index, slot)
         self.slots[index] = Slot(key=key, pins=1, loading=True, prefetched=prefetched,
                                  last_use=slot.last_use)
+        self._num_occupied += 1
 
     def commit(self, index: int) -> None:
         """The slot's bytes have fully arrived: publish it in the residency table."""
@@ -110,6 +112,7 @@ class SlotPool:
         if not slot.loading:
             self._set_map(key, NOT_RESIDENT)
         self.slots[index] = Slot(last_use=slot.last_use)   # a reload must still wait for it
+        self._num_occupied -= 1
         return key
 
     def _set_map(self, key: ExpertKey, index: int) -> None:
@@ -132,6 +135,7 @@ class SlotPool:
         self.w13[:len(old_slots)].copy_(old_w13)
         self.w2[:len(old_slots)].copy_(old_w2)
         self.slots[:len(old_slots)] = old_slots
+        self._num_occupied = sum(s.key is not None for s in old_slots)
 
     def compact(self, keep: list[int]) -> None:
         """Rebuild at the target size holding the slots `keep` (quiet pool only)."""
@@ -147,6 +151,7 @@ class SlotPool:
             self.slots[new_index] = Slot(key=old_slots[old_index].key,
                                          prefetched=old_slots[old_index].prefetched)
             self._set_map(self.slots[new_index].key, new_index)
+        self._num_occupied = len(keep)
 
     def check_integrity(self) -> None:
         seen: dict[ExpertKey, int] = {}
@@ -159,6 +164,7 @@ class SlotPool:
             seen[slot.key] = index
             expected = NOT_RESIDENT if slot.loading else index
             assert self.lookup(slot.key) == expected, (slot.key, self.lookup(slot.key), index)
+        assert self._num_occupied == sum(s.key is not None for s in self.slots)
         mapped = sum(i != NOT_RESIDENT for row in self._slot_of_host for i in row)
         assert mapped == sum(s.key is not None and not s.loading for s in self.slots)
         assert self.slot_of.cpu().tolist() == self._slot_of_host, "device table out of sync"

@@ -67,9 +67,12 @@ class ForwardBatch:
             tables = self._memo["rotary"] = rotary.tables(self.positions, self.max_position)
         return tables
 
-    def attention_mask(self, window: int | None) -> torch.Tensor:
+    def attention_mask(self, window: int | None) -> torch.Tensor | None:
         """`[T, K]` bool: a token sees its own sequence's keys at or before its position
-        (and within the sliding window); built once per window size per batch."""
+        (and within the sliding window); built once per window size per batch. None when it
+        would be all True: one sequence decoding one token, inside any window."""
+        if self.num_tokens == 1 and (window is None or self.max_position < window):
+            return None
         mask = self._memo.get(window)
         if mask is None:
             distance = self.positions[:, None] - self.kv_pos[None, :]           # [T, K]
