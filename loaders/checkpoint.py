@@ -8,8 +8,6 @@ import json
 import os
 from dataclasses import dataclass
 
-import torch
-
 from .errors import CheckpointError
 from .layout import expected_tensors, expert_tensors
 from .reader import FileSet
@@ -62,11 +60,6 @@ class Checkpoint:
 
     def has(self, name: str) -> bool:
         return name in self.tensors
-
-    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A dense tensor read whole from disk, converted to `dtype`."""
-        tensor = self.files.read(self.info(name))
-        return tensor if dtype is None else tensor.to(dtype)
 
     @property
     def expert_nbytes(self) -> int:

@@ -48,8 +48,3 @@ class HostCache:
                 self._used -= old.numel()
             self._entries[key] = data
             self._used += nbytes
-
-    def drop_model(self, model: str) -> None:
-        with self._lock:
-            for key in [k for k in self._entries if k[0] == model]:
-                self._used -= self._entries.pop(key).numel()

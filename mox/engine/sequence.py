@@ -90,7 +90,3 @@ class Sequence:
     def token_ids(self, start: int, end: int) -> list[int]:
         prompt = self.request.prompt_token_ids
         return (prompt + self.output_token_ids)[start:end]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
