@@ -180,7 +180,6 @@ def run(variant: str, path: str, ids: list[int], budget: int) -> dict:
         row["warm_s"] = min(row.get("warm_s", 1e9), time.perf_counter() - start)
     row["warm_misses"] = pager.stats(ckpt.path)["misses"] - row["stats"]["misses"]
     pager.loader.reader.close()
-    ckpt.close()
     return row
 
 

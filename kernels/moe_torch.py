@@ -60,21 +60,21 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     slots = slot_of[topk_ids.long()].reshape(-1)                          # [P]
     order = torch.argsort(slots, stable=True)                             # [P] NOT_RESIDENT first
     counts = torch.bincount(slots + 1, minlength=num_slots + 1)           # [S+1], [0]: absent
-    num_absent = int(counts[0])
-    order = order[num_absent:]                                            # [P'] resident pairs
-    counts = counts[1:]                                                   # [S]
+    num_per_slot = counts.tolist()                                        # the one host sync
+    order = order[num_per_slot[0]:]                                       # [P'] resident pairs
+    counts, num_per_slot = counts[1:], num_per_slot[1:]                   # [S]
     token_of = order // k                                                 # [P']
     num_rows = order.numel()
     rows = ws.get("rows", num_rows, hidden, x.dtype, x.device)
     torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
-    active = torch.nonzero(counts).flatten().tolist()                     # one host sync
+    active = [slot for slot, n in enumerate(num_per_slot) if n]
     lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
     if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
         down = _grouped_experts(rows, w13[lo:hi], w2[lo:hi], counts[lo:hi])
     else:
-        down = _looped_experts(rows, w13, w2, counts, active, ws)         # [P', H]
+        down = _looped_experts(rows, w13, w2, [(s, num_per_slot[s]) for s in active], ws)
     contrib = ws.get("contrib", num_rows, hidden, torch.float32, x.device)
     # fp32 accumulation: k bf16 contributions summed in bf16 lose ~3 bits each
     torch.mul(down, topk_weights.reshape(-1)[order, None], out=contrib)
@@ -107,13 +107,14 @@ def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _looped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    counts: torch.Tensor, active: list[int], ws: MoEWorkspace) -> torch.Tensor:
+                    runs: list[tuple[int, int]], ws: MoEWorkspace) -> torch.Tensor:
+    """`runs`: (slot, number of rows) of each active slot, in row order."""
     num_rows, inter, hidden = rows.shape[0], w2.shape[2], w2.shape[1]
     gate_up = ws.get("gate_up", num_rows, 2 * inter, rows.dtype, rows.device)
     act = ws.get("act", num_rows, inter, rows.dtype, rows.device)
     down = ws.get("down", num_rows, hidden, rows.dtype, rows.device)
     start = 0
-    for slot, length in zip(active, counts[active].tolist()):
+    for slot, length in runs:
         end = start + length
         torch.mm(rows[start:end], w13[slot].t(), out=gate_up[start:end])
         torch.mul(F.silu(gate_up[start:end, :inter]), gate_up[start:end, inter:],

@@ -3,11 +3,10 @@ Imported as `mox.loaders`; depends on nothing else in mox."""
 
 from .checkpoint import INDEX_FILE, Checkpoint, ExpertTensors
 from .errors import CheckpointError, MoxError
-from .reader import FileSet
 from .safetensors_format import TensorInfo, read_header
 from .spec import ExpertNaming, ModelSpec, load_spec, parse_config
 
 __all__ = [
-    "INDEX_FILE", "Checkpoint", "CheckpointError", "ExpertNaming", "ExpertTensors", "FileSet",
+    "INDEX_FILE", "Checkpoint", "CheckpointError", "ExpertNaming", "ExpertTensors",
     "ModelSpec", "MoxError", "TensorInfo", "load_spec", "parse_config", "read_header",
 ]

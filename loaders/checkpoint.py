@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from .errors import CheckpointError
 from .layout import expected_tensors, expert_tensors
-from .reader import FileSet
 from .safetensors_format import TensorInfo, read_header
 from .spec import ModelSpec, load_spec
 
@@ -31,7 +30,8 @@ class ExpertTensors:
 
 
 class Checkpoint:
-    """Read-only view of a checkpoint folder. Dense tensors load whole; experts by range."""
+    """Read-only view of a checkpoint folder: its spec, every tensor's byte range, and the
+    expert index. Reading is the streaming reader's job (`loaders.stream`)."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
@@ -41,7 +41,6 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = _index_tensors(self.path)
         self._check_layout()
         self.experts: dict[tuple[int, int], ExpertTensors] = _expert_index(self)
-        self.files = FileSet()
 
     def _check_layout(self) -> None:
         """Every tensor the spec implies is present with its shape: a mismatched file fails
@@ -66,8 +65,6 @@ class Checkpoint:
         """Bytes of one expert as stored (every expert of a model has the same shape)."""
         return next(iter(self.experts.values())).nbytes if self.experts else 0
 
-    def close(self) -> None:
-        self.files.close()
 
 
 def _index_tensors(path: str) -> dict[str, TensorInfo]:

@@ -56,7 +56,6 @@ def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30) -> s
         write_json_atomic(os.path.join(dst, INDEX_FILE), {
             "metadata": {"total_size": sum(i.nbytes for i in ckpt.tensors.values())},
             "weight_map": {n: f for names, f in zip(shards, files) for n in names}})
-    ckpt.close()
     return dst
 
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from .errors import CheckpointError
+from .safetensors_format import TensorInfo
 
 DIRECT_IO_ALIGNMENT = 4096        # logical block size O_DIRECT needs for offset, length, address
 DEFAULT_IO_THREADS = 4            # NVMe needs a few reads in flight; more only adds contention
@@ -192,6 +193,22 @@ class StreamingReader:
             skip = -raw.data_ptr() % DIRECT_IO_ALIGNMENT
             buf = self._local.bounce = raw[skip:skip + nbytes]   # the view keeps raw alive
         return buf[:nbytes]
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One tensor read whole, synchronously, on the calling thread (tools and tests; serving
+    goes through `StreamingReader`)."""
+    out = torch.empty(info.nbytes, dtype=torch.uint8)
+    run = [ByteRange(info.file, info.offset, info.nbytes, f"tensor {info.name!r}")]
+    try:
+        fd = os.open(info.file, os.O_RDONLY)
+    except OSError as e:
+        raise _as_checkpoint_error(run, e) from e
+    try:
+        _preadv_exact(fd, [byte_view(out)], info.offset, run)
+    finally:
+        os.close(fd)
+    return out.view(info.dtype).view(info.shape)
 
 
 def _preadv_exact(fd: int, views: list[memoryview], offset: int, run: list[ByteRange]) -> None:

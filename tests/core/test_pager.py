@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mox.errors import MoxError
 from mox.eviction import LFUPolicy, LRUPolicy, RatePolicy
 from mox.loaders import Checkpoint, CheckpointError
+from mox.loaders.stream import read_tensor
 from mox.pager import ExpertPager, make_pager
 
 CPU = torch.device("cpu")
@@ -30,7 +31,7 @@ class FakeClock:
 
 def expected_expert(ckpt: Checkpoint, layer: int, expert: int, dtype: torch.dtype):
     t = ckpt.experts[layer, expert]
-    gate, up, down = (ckpt.files.read(info).to(dtype) for info in (t.gate, t.up, t.down))
+    gate, up, down = (read_tensor(info).to(dtype) for info in (t.gate, t.up, t.down))
     return torch.cat([gate, up]), down
 
 

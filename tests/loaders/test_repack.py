@@ -10,7 +10,7 @@ from mox import LLM
 from mox.expert_loader import expert_ranges
 from mox.loaders import Checkpoint
 from mox.loaders.repack import ALIGNMENT, repack_expert_major
-from mox.loaders.stream import coalesce
+from mox.loaders.stream import coalesce, read_tensor
 
 
 @pytest.mark.parametrize("case,shard_bytes", [("qwen2_moe", 1 << 30), ("mixtral", 60_000)])
@@ -28,7 +28,7 @@ def test_repacked_checkpoint_is_expert_major_and_serves_identically(hf_checkpoin
         assert len(coalesce(expert_ranges(tensors, ""))) == 1        # one read per expert
     for name, info in repacked.tensors.items():                     # the same bytes
         with safe_open(info.file, "pt") as f:
-            assert torch.equal(f.get_tensor(name), original.files.read(original.tensors[name]))
+            assert torch.equal(f.get_tensor(name), read_tensor(original.tensors[name]))
     prompt = list(range(2, 14))
     outs = [LLM(path, dtype="float32", expert_memory="120KiB").generate(
         prompt_token_ids=[prompt], max_tokens=10, temperature=0.0, ignore_eos=True)[0]

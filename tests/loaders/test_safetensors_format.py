@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mox.loaders import CheckpointError, FileSet, read_header
+from mox.loaders import CheckpointError, read_header
+from mox.loaders.stream import read_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8]
 
@@ -28,14 +29,12 @@ def test_header_and_byte_ranges_match_safetensors(tmp_path_factory, specs):
                enumerate(specs)}
     save_file(tensors, path)
     infos = read_header(path)
-    files = FileSet()
     with safe_open(path, "pt") as f:
         assert set(infos) == set(f.keys())
         for name, info in infos.items():
             expected = f.get_tensor(name)
             assert info.dtype == expected.dtype and info.shape == tuple(expected.shape)
-            assert torch.equal(files.read(info), expected)
-    files.close()
+            assert torch.equal(read_tensor(info), expected)
 
 
 def _write(path, header: bytes, payload: bytes = b"") -> str:
@@ -79,22 +78,16 @@ def test_header_not_json(tmp_path):
         read_header(path)
 
 
-def test_offsets_past_the_end_of_file(tmp_path):
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}})
-    path = _write(tmp_path / "offsets.safetensors", header.encode(), b"\0" * 64)
-    with pytest.raises(CheckpointError, match="offsets.safetensors.*'w'.*past the end"):
-        read_header(path)
-
-
-def test_byte_range_that_does_not_fit_the_shape(tmp_path):
-    header = json.dumps({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 16]}})
-    path = _write(tmp_path / "shape.safetensors", header.encode(), b"\0" * 64)
-    with pytest.raises(CheckpointError, match="shape.safetensors.*'w'.*does not hold"):
-        read_header(path)
-
-
-def test_unknown_dtype(tmp_path):
-    header = json.dumps({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}})
-    path = _write(tmp_path / "dtype.safetensors", header.encode(), b"\0" * 8)
-    with pytest.raises(CheckpointError, match="dtype.safetensors.*corrupt header entry"):
+@pytest.mark.parametrize("name,entry,payload,problem", [
+    ("offsets", {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}, 64,
+     "'w'.*past the end"),
+    ("shape", {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 16]}, 64,
+     "'w'.*does not hold"),
+    ("dtype", {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}, 8,
+     "corrupt header entry"),
+])
+def test_bad_header_entries(tmp_path, name, entry, payload, problem):
+    path = _write(tmp_path / f"{name}.safetensors", json.dumps({"w": entry}).encode(),
+                  b"\0" * payload)
+    with pytest.raises(CheckpointError, match=f"{name}.safetensors.*{problem}"):
         read_header(path)
