@@ -2,6 +2,8 @@
 the disk and the device pools (pinned when the device is a GPU, so copies can be async).
 
 Thread-safe. On CPU the OS page cache plays this role, so it is off by default there.
+The router may give a model a quota (its share of the cache): a model over its quota evicts
+its own least recently used entries, so a burst on one model cannot flush the others.
 """
 
 from __future__ import annotations
@@ -20,7 +22,21 @@ class HostCache:
         self.pin_memory = pin_memory
         self._entries: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
         self._used = 0
+        self._used_by: dict[str, int] = {}
+        self._quota: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def set_quota(self, model: str, quota_bytes: int | None) -> None:
+        """Cap the model's share (None: only the global budget); shrinking evicts at once."""
+        with self._lock:
+            if quota_bytes is None:
+                self._quota.pop(model, None)
+            else:
+                self._quota[model] = quota_bytes
+                self._make_room(model, 0)
+
+    def used_by(self, model: str) -> int:
+        return self._used_by.get(model, 0)
 
     @property
     def used_bytes(self) -> int:
@@ -37,14 +53,27 @@ class HostCache:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def put(self, key: CacheKey, data: torch.Tensor) -> None:
-        nbytes = data.numel()
-        if nbytes > self.budget_bytes:
-            return
+        nbytes, model = data.numel(), key[0]
         with self._lock:
-            if key in self._entries:
+            if key in self._entries or nbytes > self._quota.get(model, self.budget_bytes):
                 return
-            while self._used + nbytes > self.budget_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._used -= old.numel()
+            self._make_room(model, nbytes)
             self._entries[key] = data
             self._used += nbytes
+            self._used_by[model] = self._used_by.get(model, 0) + nbytes
+
+    def _make_room(self, model: str, nbytes: int) -> None:
+        """Evict LRU entries (the model's own first, past its quota) until `nbytes` fit."""
+        quota = self._quota.get(model)
+        if quota is not None:
+            for key in [k for k in self._entries if k[0] == model]:
+                if self._used_by.get(model, 0) + nbytes <= quota:
+                    break
+                self._drop(key)
+        while self._used + nbytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: CacheKey) -> None:
+        old = self._entries.pop(key)
+        self._used -= old.numel()
+        self._used_by[key[0]] -= old.numel()

@@ -8,26 +8,24 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import msgspec
 import torch
 
 from mox.engine.engine import Engine
-from mox.engine.scheduler import SchedulerConfig
 from mox.engine.sequence import FinishReason, Request
-from mox.errors import CheckpointError, InvalidRequestError, MoxError
-from mox.eviction import POLICIES
+from mox.errors import InvalidRequestError, ModelUnavailableError, MoxError
 from mox.loaders import Checkpoint
-from mox.models import MoEDecoder, open_model
-from mox.pager import make_pager
+from mox.models import MoEDecoder
+from mox.pager import ExpertPager
+from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.sampling import SamplingParams
+from mox.served_model import ModelState, dense_nbytes, resolve_dtype
 from mox.tokenizer import Tokenizer
 from mox.units import parse_size
 
 DEFAULT_KV_MEMORY = "1GiB"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class CompletionOutput(msgspec.Struct, omit_defaults=True):
@@ -43,46 +41,59 @@ class CompletionOutput(msgspec.Struct, omit_defaults=True):
 RequestOutput = CompletionOutput   # the name DESIGN.md's offline API uses
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if resolved not in DTYPES.values():
-        raise InvalidRequestError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    if resolved == torch.float16 and device.type == "cpu":
-        # measured: fp16 matmul on this class of CPU is ~1000x slower than bf16
-        raise InvalidRequestError("float16 on CPU is unusably slow; use bfloat16 or float32")
-    return resolved
-
-
 class LLM:
-    """`expert_memory`: device bytes for this model's expert slots (None: all resident);
-    `host_memory`: a RAM cache of expert bytes between disk and device (None: on a GPU, the
-    model's expert bytes up to half the machine's RAM; on a CPU off, the page cache serves);
-    `policy`: eviction policy (lru, lfu, rate); `prefetch`: predict and preload the next
-    layer's experts (None: on for CUDA, off on CPU; see `prefetch_by_default`)."""
+    """One model behind a router of its own. `expert_memory`: device bytes for its expert
+    slots (None: every expert resident, loaded now); `host_memory`: a RAM cache of expert bytes
+    between disk and device (None: on a GPU, the model's expert bytes up to half the
+    machine's RAM; on a CPU off, the page cache serves); `policy`: any router policy (rate,
+    lru, lfu, model-swap, all-resident); `prefetch`: predict and preload the next layer's
+    experts (None: on for CUDA, off on CPU; see `prefetch_by_default`)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
                  policy: str = "rate", prefetch: bool | None = None, direct_io: bool = False,
                  kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256):
-        if policy not in POLICIES:
-            raise InvalidRequestError(f"unknown policy {policy!r}; choose from {POLICIES}")
+        if policy not in ROUTER_POLICIES:
+            raise InvalidRequestError(f"unknown policy {policy!r}; choose from "
+                                      f"{ROUTER_POLICIES}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.checkpoint = Checkpoint(model)
+        self.name = self.checkpoint.path
         host_bytes = parse_size(host_memory)
         if host_bytes is None and self.device.type == "cuda":
             host_bytes = default_host_cache_bytes(self.checkpoint)
-        self.pager = make_pager(self.device, host_bytes, direct_io)
-        self.model: MoEDecoder = open_model(self.checkpoint, self.dtype, self.device,
-                                            self.pager, parse_size(expert_memory), policy,
-                                            prefetch)
-        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint.path)
-        self.eos_token_ids = _eos_token_ids(self.checkpoint, self.tokenizer)
-        self.name = self.checkpoint.path
-        self.engine = Engine(parse_size(kv_memory),
-                             config=SchedulerConfig(max_batched_tokens=max_batched_tokens))
-        self.engine.add_model(self.name, self.model, self.tokenizer, self.eos_token_ids)
+        expert_bytes = parse_size(expert_memory)
+        device_memory = (None if expert_bytes is None
+                         else dense_nbytes(self.checkpoint, self.dtype) + expert_bytes)
+        self.router = Router({self.name: self.name}, RouterConfig(
+            policy=policy, device=device, dtype=self.dtype, device_memory=device_memory,
+            host_memory=host_bytes, kv_memory=parse_size(kv_memory),
+            max_batched_tokens=max_batched_tokens, prefetch=prefetch, direct_io=direct_io))
+        served = self.router.models[self.name]
+        if served.state == ModelState.FAILED:
+            raise ModelUnavailableError(served.error)
+        self.router.warm_up(self.name, whole=expert_bytes is None)
+        self.tokenizer: Tokenizer | None = served.tokenizer
+        self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
+
+    @property
+    def engine(self) -> Engine:
+        return self.router.engine
+
+    @property
+    def pager(self) -> ExpertPager:
+        return self.router.pager
+
+    @property
+    def model(self) -> MoEDecoder:
+        """The loaded decoder (warm: the router never parks the offline model mid-call)."""
+        return self.router.models[self.name].decoder
+
+    def plan(self) -> dict:
+        """The router's view: state, traffic, planned slots and pager figures."""
+        return self.router.snapshot()
 
     def pager_stats(self) -> dict:
         """hits, misses, prefetch_hits, bytes_read (disk + host), read_seconds,
@@ -109,10 +120,13 @@ class LLM:
                    for rid, p in zip(ids, prompts_ids)}
         try:
             for rid, prompt in zip(ids, prompts_ids):
-                self.engine.add_request(Request(rid, self.name, prompt, params))
+                self.router.add_request(Request(rid, self.name, prompt, params))
             pending = set(ids)
             while pending:
-                for out in self.engine.step():
+                if not self.router.has_work:        # its weights are loading (parked model)
+                    self.router.wake.wait(self.router.seconds_until_due())
+                    self.router.wake.clear()
+                for out in self.router.step():
                     result = results[out.request_id]
                     result.token_ids += out.new_token_ids
                     if result.text is not None:
@@ -123,11 +137,12 @@ class LLM:
                         result.finish_reason = out.finish_reason
                         pending.discard(out.request_id)
                         if out.error is not None:
-                            raise self.engine.errors.pop(out.request_id, MoxError(out.error))
+                            raise (self.router.take_error(out.request_id)
+                                   or MoxError(out.error))
         finally:
             for rid in ids:
-                self.engine.abort(rid)          # no-op for finished ones
-                self.engine.errors.pop(rid, None)
+                self.router.abort(rid)          # no-op for finished ones
+                self.router.take_error(rid)
         return [results[rid] for rid in ids]
 
     def _prompt_ids(self, prompts: str | list[str] | None,
@@ -148,19 +163,3 @@ def default_host_cache_bytes(ckpt: Checkpoint) -> int:
     half the machine's memory."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(len(ckpt.experts) * ckpt.expert_nbytes, ram // 2)
-
-
-def _eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    """eos ids from config.json, generation_config.json and the tokenizer, as HF merges them."""
-    ids = set(ckpt.spec.eos_token_ids)
-    path = os.path.join(ckpt.path, "generation_config.json")
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token_id")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(path, f"unreadable JSON: {e}") from e
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))

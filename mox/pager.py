@@ -34,7 +34,10 @@ from mox.host_cache import HostCache
 from mox.kernels import NOT_RESIDENT, MoEWorkspace
 from mox.loaders import Checkpoint
 from mox.loaders.stream import DEMAND, PREFETCH, StreamingReader
+from mox.rates import ExpertUsage
 from mox.slot_pool import SlotPool
+
+PageInObserver = Callable[[str, float], None]      # (model, seconds) of each expert read
 
 
 @dataclass
@@ -73,15 +76,18 @@ class _Model:
     policy: EvictionPolicy
     moe_layers: list[int]                  # checkpoint layer index of each MoE layer
     budget_bytes: int
+    usage: ExpertUsage
     stats: PagerStats = field(default_factory=PagerStats)
     inflight: dict[ExpertKey, Future] = field(default_factory=dict)
     workspace: MoEWorkspace = field(default_factory=MoEWorkspace)
 
 
 class ExpertPager:
-    def __init__(self, loader: ExpertLoader, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, loader: ExpertLoader, clock: Callable[[], float] = time.monotonic,
+                 on_page_in: PageInObserver | None = None):
         self.loader = loader
         self.clock = clock
+        self.on_page_in = on_page_in
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)   # a slot was freed or committed
@@ -95,8 +101,9 @@ class ExpertPager:
         pool = SlotPool(len(moe_layers), spec.num_experts, spec.hidden_size,
                         spec.moe_intermediate_size, dtype, device, num_slots)
         with self._lock:
-            self._models[name] = _Model(name, ckpt, pool, make_policy(policy), moe_layers,
-                                        num_slots * pool.expert_nbytes)
+            self._models[name] = _Model(
+                name, ckpt, pool, make_policy(policy), moe_layers, num_slots * pool.expert_nbytes,
+                ExpertUsage(len(moe_layers), spec.num_experts, spec.top_k))
 
     @staticmethod
     def _slots_for(name: str, spec, dtype: torch.dtype, budget_bytes: int | None,
@@ -104,6 +111,8 @@ class ExpertPager:
         total = num_moe_layers * spec.num_experts
         if budget_bytes is None:
             return total
+        if budget_bytes == 0:
+            return 0                  # parked: a cold model holds no slots
         per_expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
         slots = min(budget_bytes // per_expert, total)
         if slots < spec.top_k:
@@ -144,6 +153,9 @@ class ExpertPager:
         m = self._models[name]
         wanted = sorted(set(expert_ids))
         with self._lock:
+            if m.pool.target_slots == 0:
+                raise MoxError(f"model {name!r} has no expert memory (it is parked)")
+            m.usage.record(moe_layer, wanted, self.clock())
             self._settle_prefetches(m, moe_layer, set(wanted))
             ready, pending, missing = self._classify(m, moe_layer, wanted)
             started = self._start_loads(m, moe_layer, missing, prefetched=False)
@@ -203,6 +215,35 @@ class ExpertPager:
             _, _, missing = self._classify(m, moe_layer, sorted(set(expert_ids)), count=False)
             self._start_loads(m, moe_layer, missing, prefetched=True,
                               protect={moe_layer, *protect_layers})
+
+    def prefetch_popular(self, name: str, limit: int) -> int:
+        """Start loading up to `limit` of the model's most used experts that are not resident,
+        into free slots only (nothing is evicted for a guess). Returns how many started."""
+        m = self._models[name]
+        with self._lock:
+            if not m.usage.steps.any():
+                return 0                          # no history: any guess would be noise
+            usage = m.usage.probabilities(self.clock())                         # [L, E]
+            free = m.pool.target_slots - m.pool.num_occupied
+            started = 0
+            for flat in usage.ravel().argsort()[::-1]:
+                if started >= min(limit, free):
+                    break
+                key = divmod(int(flat), usage.shape[1])
+                if m.pool.lookup(key) == NOT_RESIDENT and key not in m.inflight:
+                    started += len(self._start_loads(m, key[0], [key[1]], prefetched=True,
+                                                     protect=set(range(len(m.moe_layers)))))
+            return started
+
+    def usage(self, name: str) -> ExpertUsage:
+        return self._models[name].usage
+
+    def allocated_bytes(self, name: str) -> int:
+        """Device bytes the model's pool tensors take now (the budget bounds this once a
+        shrink has drained)."""
+        with self._lock:
+            pool = self._models[name].pool
+            return pool.num_slots * pool.expert_nbytes
 
     def wait_for_loads(self, name: str) -> None:
         """Block until this model's in-flight loads (prefetches included) have landed."""
@@ -321,6 +362,8 @@ class ExpertPager:
             stats.read_seconds += result.seconds
             self._drain(m)
             self._changed.notify_all()
+        if self.on_page_in is not None:
+            self.on_page_in(m.name, result.seconds)
         return result
 
     def _wait(self, m: _Model, moe_layer: int, pending: list[int]) -> tuple[list[int], list[int]]:
@@ -405,8 +448,9 @@ class ExpertPager:
 
 
 def make_pager(device: torch.device, host_memory_bytes: int | None = None,
-               direct_io: bool = False) -> ExpertPager:
+               direct_io: bool = False, clock: Callable[[], float] = time.monotonic,
+               on_page_in: PageInObserver | None = None) -> ExpertPager:
     """A pager with its reader and (if `host_memory_bytes`) a host cache, pinned on CUDA."""
     host = (HostCache(host_memory_bytes, pin_memory=device.type == "cuda")
             if host_memory_bytes else None)
-    return ExpertPager(ExpertLoader(StreamingReader(direct=direct_io), host))
+    return ExpertPager(ExpertLoader(StreamingReader(direct=direct_io), host), clock, on_page_in)

@@ -78,3 +78,19 @@ def demo_home(tmp_path_factory):
     home = str(tmp_path_factory.mktemp("mox_home"))
     ensure_demo_models(home)
     return home
+
+
+def serve_loaded(engine, name: str, model, tokenizer=None, eos_token_ids=()) -> None:
+    """Register an already loaded model with an engine and hand it its weights."""
+    engine.add_model(name, model.spec, model.dtype, model.device, tokenizer, eos_token_ids)
+    engine.set_weights(name, model)
+
+
+def tiny_router(path: str, name: str = "olmoe", **config):
+    """A router serving one tiny checkpoint in fp32, warmed up."""
+    from mox.router import Router, RouterConfig
+
+    config = {"dtype": "float32", "kv_memory": 64 << 20, **config}
+    router = Router({name: path}, RouterConfig(**config))
+    router.warm_up(name)
+    return router

@@ -1,6 +1,9 @@
 """The engine: models, their sequences, one KV pool, and `step()`, which schedules one batch
 of one model, runs it, samples, detokenizes and finishes sequences. Not thread-safe: the
-offline `LLM` calls it directly, `AsyncEngine` from its own thread.
+router calls it from one thread (the offline `LLM`'s, or `AsyncEngine`'s loop).
+
+A model is registered by its spec (its KV layout) and accepts requests at once; it runs only
+once the router hands it its loaded weights (`set_weights`), and its requests wait until then.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import msgspec
+import torch
 
 from mox.engine.detokenizer import IncrementalDetokenizer
 from mox.engine.kv_pool import KVPool
@@ -21,7 +25,10 @@ from mox.engine.sequence import (
     SequenceStatus,
 )
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
+from mox.loaders.spec import ModelSpec
 from mox.models import MoEDecoder
+from mox.models.decoder import new_kv_store
+from mox.models.kv_store import KVStore
 from mox.tokenizer import Tokenizer
 
 DEFAULT_BLOCK_SIZE = 16
@@ -29,9 +36,12 @@ DEFAULT_BLOCK_SIZE = 16
 
 @dataclass
 class _Model:
-    runner: ModelRunner
+    spec: ModelSpec
+    device: torch.device
+    kv: KVStore
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
+    runner: ModelRunner | None = None          # None until the weights are loaded
 
 
 @dataclass
@@ -49,12 +59,23 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self.errors: dict[str, MoxError] = {}      # why a request aborted; its owner pops it
 
-    def add_model(self, name: str, model: MoEDecoder, tokenizer: Tokenizer | None,
-                  eos_token_ids: tuple[int, ...]) -> None:
-        kv = model.new_kv_store(self.kv_pool.block_size)
+    def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
+        kv = new_kv_store(spec, dtype, device, self.kv_pool.block_size)
         self.kv_pool.add_model(name, kv)
         self.scheduler.add_model(name)
-        self.models[name] = _Model(ModelRunner(model, kv), tokenizer, eos_token_ids)
+        self.models[name] = _Model(spec, device, kv, tokenizer, eos_token_ids)
+
+    def set_weights(self, name: str, model: MoEDecoder | None) -> None:
+        """Loaded weights let the model run; None takes them away (it must hold no work)."""
+        entry = self.models[name]
+        if model is None:
+            assert not self.scheduler.queues[name].has_work, f"{name} still has requests"
+            entry.runner = None
+        else:
+            assert model.spec == entry.spec and model.device == entry.device
+            entry.runner = ModelRunner(model, entry.kv)
+        self.scheduler.set_ready(name, model is not None)
 
     def add_request(self, request: Request) -> None:
         model = self.models.get(request.model)
@@ -62,7 +83,7 @@ class Engine:
             raise ModelNotFoundError(f"model {request.model!r} is not served")
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
-        spec = model.runner.model.spec
+        spec = model.spec
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("empty prompt")
@@ -72,27 +93,36 @@ class Engine:
         if len(prompt) >= spec.max_position_embeddings:
             raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the model's context "
                                       f"is {spec.max_position_embeddings}")
-        needed = self.kv_pool.blocks_needed(len(prompt) + 1) * model.runner.kv.block_nbytes
+        needed = self.kv_pool.blocks_needed(len(prompt) + 1) * model.kv.block_nbytes
         if needed > self.kv_pool.budget_bytes:
             raise InvalidRequestError(f"prompt needs {needed} bytes of KV cache; the pool "
                                       f"holds {self.kv_pool.budget_bytes}")
         params = replace(request.params, extra_eos=model.eos_token_ids)
         seq = Sequence(msgspec.structs.replace(request, params=params),
-                       params.new_generator(model.runner.model.device))
+                       params.new_generator(model.device))
         detok = (IncrementalDetokenizer(model.tokenizer, params.stop)
                  if model.tokenizer is not None else None)
         self._live[request.request_id] = _Live(seq, detok)
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Free the request's KV at once (between steps no lease is held)."""
+    def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
+        """Free the request's KV at once (between steps no lease is held). With `error`, the
+        output carries its message and `errors` keeps it for the request's owner."""
         live = self._live.get(request_id)
         if live is None:
             return None
-        return self._finish(live, FinishReason.ABORT, [], "")
+        if error is not None:
+            self.errors[request_id] = error
+        return self._finish(live, FinishReason.ABORT, [], "",
+                            error=None if error is None else str(error))
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        live = self._live.get(request_id)
+        return None if live is None else live.seq
 
     @property
     def has_work(self) -> bool:
+        """Is there a step to run (work of a model whose weights are loaded)?"""
         return self.scheduler.has_work
 
     @property
@@ -134,7 +164,7 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if seq.params.is_stop_token(token):
             return FinishReason.STOP
-        context = self.models[seq.model].runner.model.spec.max_position_embeddings
+        context = self.models[seq.model].spec.max_position_embeddings
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= context:
             return FinishReason.LENGTH
         return None

@@ -55,6 +55,7 @@ class _ModelQueue:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     last_run: float = 0.0
+    ready: bool = False               # weights loaded: the model can run
 
     @property
     def has_work(self) -> bool:
@@ -77,12 +78,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.queues[seq.model].waiting.append(seq)
 
+    def set_ready(self, name: str, ready: bool) -> None:
+        self.queues[name].ready = ready
+
     @property
     def has_work(self) -> bool:
-        return any(q.has_work for q in self.queues.values())
+        """Work that can run now (of a model whose weights are loaded)."""
+        return any(q.has_work and q.ready for q in self.queues.values())
 
     def schedule(self) -> Batch | None:
-        candidates = [(q.last_run, name) for name, q in self.queues.items() if q.has_work]
+        candidates = [(q.last_run, name) for name, q in self.queues.items()
+                      if q.has_work and q.ready]
         if not candidates:
             return None
         _, model = min(candidates)

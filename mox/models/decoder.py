@@ -20,6 +20,11 @@ from mox.models.layers import MLPWeights, Rotary, rms_norm
 from mox.models.moe import MoEWeights, moe_block, route
 
 
+def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 block_size: int) -> KVStore:
+    return KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, device, block_size)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor                  # [H]
@@ -53,9 +58,7 @@ class MoEDecoder:
         return self.embed.device
 
     def new_kv_store(self, block_size: int) -> KVStore:
-        spec = self.spec
-        return KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype,
-                       self.device, block_size)
+        return new_kv_store(self.spec, self.dtype, self.device, block_size)
 
     def new_cache(self) -> SequenceKVCache:
         return SequenceKVCache(self.new_kv_store(SEQUENCE_BLOCK_SIZE))

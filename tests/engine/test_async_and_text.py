@@ -13,7 +13,7 @@ from mox.engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
 from mox.errors import ModelNotFoundError
 from mox.sampling import SamplingParams
 from mox.tokenizer import Tokenizer
-from tests.conftest import open_tiny
+from tests.conftest import open_tiny, serve_loaded, tiny_router
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -50,9 +50,8 @@ def test_stop_string_spanning_tokens_is_found(tokenizer):
 
 
 def _async_engine(hf_checkpoints) -> tuple[AsyncEngine, Engine]:
-    engine = Engine(64 << 20, block_size=4)
-    engine.add_model("olmoe", open_tiny(hf_checkpoints["olmoe"][0]), None, ())
-    return AsyncEngine(engine), engine
+    router = tiny_router(hf_checkpoints["olmoe"][0])
+    return AsyncEngine(router), router.engine
 
 
 def test_concurrent_streams_match_the_sync_engine(hf_checkpoints):
@@ -73,7 +72,7 @@ def test_concurrent_streams_match_the_sync_engine(hf_checkpoints):
     streamed = asyncio.run(main())
     async_engine.shutdown()
     sync = Engine(64 << 20, block_size=4)
-    sync.add_model("olmoe", open_tiny(hf_checkpoints["olmoe"][0]), None, ())
+    serve_loaded(sync, "olmoe", open_tiny(hf_checkpoints["olmoe"][0]))
     for i in range(4):
         sync.add_request(Request(f"r{i}", "olmoe", [1 + i, 2, 3], GREEDY))
     expected: dict[str, list[int]] = {}
@@ -93,7 +92,8 @@ def test_a_cancelled_stream_frees_its_kv(hf_checkpoints):
         assert first.new_token_ids
         await stream.aclose()                       # the client went away
         done: concurrent.futures.Future = concurrent.futures.Future()
-        async_engine.call(lambda e: done.set_result((e.kv_pool.used_bytes, e.num_live)))
+        async_engine.call(
+            lambda r: done.set_result((r.engine.kv_pool.used_bytes, r.engine.num_live)))
         return await asyncio.wrap_future(done)
 
     assert asyncio.run(main()) == (0, 0)

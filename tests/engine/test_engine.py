@@ -7,7 +7,7 @@ import torch
 
 from mox.engine import Engine, FinishReason, Request, SchedulerConfig
 from mox.sampling import SamplingParams
-from tests.conftest import open_tiny
+from tests.conftest import open_tiny, serve_loaded
 
 MODELS = ("mixtral", "qwen3_moe", "olmoe")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def _engine(hf_checkpoints, kv_bytes=64 << 20, max_batched_tokens=16, names=MODE
     models = {}
     for name in names:
         models[name] = open_tiny(hf_checkpoints[name][0])
-        engine.add_model(name, models[name], None, ())
+        serve_loaded(engine, name, models[name])
     return engine, models
 
 

@@ -1,0 +1,100 @@
+"""The memory planner: how many expert slots each model gets out of one device budget.
+
+Design note.
+- A slot is worth what it saves: (model's request rate) x (probability that a step uses the
+  expert it would hold) per byte. Each model's experts are ranked by usage, so its n-th slot
+  is worth its n-th most used expert; all models' slots are filled greedily by value.
+- A model with queued or running requests first gets its working set: one token's experts
+  in every MoE layer (top_k x layers), or just top_k, the least a step can run on (in
+  waves), when the working sets of every busy model do not fit together.
+- Hysteresis: slots a model holds now count `HYSTERESIS` more, so a small wobble in the
+  rates does not move slots back and forth (each move costs a disk read).
+- Leftover budget goes to models' next most used experts even at zero rate: memory that
+  nobody wants is better spent keeping what is loaded.
+The planner is a pure function of its inputs: the router applies the plan through the
+pager, which evicts only unleased experts.
+
+Legend: L MoE layers, E experts per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# A held slot is kept unless a challenger is worth 25% more: enough to absorb the noise of
+# Poisson arrivals over a one-minute window, small enough to follow a real shift.
+HYSTERESIS = 0.25
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    name: str
+    request_rate: float            # requests per second
+    has_work: bool                 # queued or running requests
+    usage: np.ndarray              # [L, E] P(a step uses the expert)
+    expert_nbytes: int
+    top_k: int
+    current_slots: int = 0
+
+    @property
+    def max_slots(self) -> int:
+        return self.usage.size
+
+    @property
+    def working_set(self) -> int:
+        return min(self.max_slots, self.top_k * self.usage.shape[0])
+
+
+@dataclass(frozen=True)
+class Plan:
+    slots: dict[str, int]                   # expert slots per model
+    budget_bytes: int | None                # the expert budget planned for (None: no limit)
+
+    def nbytes(self, demands: dict[str, ModelDemand]) -> int:
+        return sum(n * demands[name].expert_nbytes for name, n in self.slots.items())
+
+
+def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
+    if budget_bytes is None:
+        return Plan({d.name: d.max_slots for d in demands}, None)
+    slots = _floors(demands, budget_bytes)
+    left = budget_bytes - sum(slots[d.name] * d.expert_nbytes for d in demands)
+    for name, nbytes in _ranked_slots(demands, slots):
+        if nbytes <= left:
+            slots[name] += 1
+            left -= nbytes
+    plan = Plan(slots, budget_bytes)
+    by_name = {d.name: d for d in demands}
+    assert plan.nbytes(by_name) <= budget_bytes, (plan, budget_bytes)
+    assert all(0 <= n <= by_name[name].max_slots for name, n in slots.items())
+    return plan
+
+
+def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
+    """Working sets of the busy models if they fit together, else top_k each."""
+    busy = [d for d in demands if d.has_work]
+    floors = {d.name: d.working_set for d in busy}
+    if sum(floors[d.name] * d.expert_nbytes for d in busy) > budget_bytes:
+        floors = {d.name: min(d.top_k, d.max_slots) for d in busy}
+    assert sum(floors[d.name] * d.expert_nbytes for d in busy) <= budget_bytes, (
+        "the budget holds fewer than top_k experts of every busy model; the router checks this")
+    return {d.name: floors.get(d.name, 0) for d in demands}
+
+
+def _ranked_slots(demands: list[ModelDemand],
+                  floors: dict[str, int]) -> list[tuple[str, int]]:
+    """Every slot beyond the floors as (model, bytes), best value per byte first. Within a
+    model values only fall with n, so taking the best first fills each model in order."""
+    ranked = []
+    for d in demands:
+        usage = np.sort(d.usage.ravel())[::-1]                       # [L*E] most used first
+        value = d.request_rate * usage / d.expert_nbytes
+        held = np.arange(usage.size) < d.current_slots
+        value = np.where(held, value * (1.0 + HYSTERESIS), value)
+        # ties (zero rate) keep what is held before taking anything new
+        ranked += [(float(v), bool(h), d.name, d.expert_nbytes)
+                   for v, h in zip(value[floors[d.name]:], held[floors[d.name]:])]
+    ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
+    return [(name, nbytes) for _, _, name, nbytes in ranked]
