@@ -65,8 +65,10 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
         if nbytes <= left:
             slots[name] += 1
             left -= nbytes
-    plan = Plan(slots, budget_bytes)
     by_name = {d.name: d for d in demands}
+    for name, n in slots.items():          # fewer than top_k slots cannot run a step
+        slots[name] = n if n >= min(by_name[name].top_k, by_name[name].max_slots) else 0
+    plan = Plan(slots, budget_bytes)
     assert plan.nbytes(by_name) <= budget_bytes, (plan, budget_bytes)
     assert all(0 <= n <= by_name[name].max_slots for name, n in slots.items())
     return plan

@@ -160,6 +160,8 @@ class Router:
         model.last_active = now
         if model.state == ModelState.COLD:
             self._try_start_loads()
+        elif self.pager.pool(model.name).target_slots == 0:
+            self.replan()                    # warm but planned out: its floor comes now
 
     def _admit(self, model: ServedModel) -> None:
         waiting = self.num_waiting(model.name)

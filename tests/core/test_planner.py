@@ -67,6 +67,7 @@ def test_plans_never_exceed_the_budget(rates, work, budget_slots, current):
     assert sum(plan.slots.values()) <= budget_slots
     for d in demands:
         assert 0 <= plan.slots[d.name] <= d.max_slots
+        assert plan.slots[d.name] == 0 or plan.slots[d.name] >= d.top_k
         if d.has_work:
             assert plan.slots[d.name] >= d.top_k
 
