@@ -35,6 +35,9 @@ class HostCache:
                 self._quota[model] = quota_bytes
                 self._make_room(model, 0)
 
+    def quota(self, model: str) -> int | None:
+        return self._quota.get(model)
+
     def used_by(self, model: str) -> int:
         return self._used_by.get(model, 0)
 

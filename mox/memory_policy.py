@@ -29,6 +29,7 @@ class MemoryPolicy:
     eviction_policy = "rate"
     loads_whole_models = False
     pins_models = False
+    plans_host_cache = False
     minimum_is = "its dense weights and top_k experts"
 
     def __init__(self, router: Router) -> None:
@@ -86,7 +87,10 @@ class MemoryPolicy:
 
 
 class PlannedMemory(MemoryPolicy):
-    """`rate`: expert slots follow request rates and expert popularity (mox.planner)."""
+    """`rate`: expert slots follow request rates and expert popularity (mox.planner); the
+    host cache is shared by rate too."""
+
+    plans_host_cache = True
 
     def plan_slots(self) -> dict[str, int]:
         router, now = self.router, self.router.clock()

@@ -330,6 +330,20 @@ class Router:
     def replan(self) -> None:
         self._next_plan = self.clock() + self.config.plan_period_s
         self.set_expert_slots(self.policy.plan_slots())
+        self._share_host_cache()
+
+    def _share_host_cache(self) -> None:
+        """Host cache quotas in proportion to request rates (with no traffic anywhere, no
+        quotas): a burst on one model cannot flush the RAM copies of the others."""
+        host = self.pager.loader.host_cache
+        if host is None or not self.policy.plans_host_cache:
+            return
+        now = self.clock()
+        rates = {n: m.traffic.request_rate(now) for n, m in self.models.items()
+                 if m.ckpt is not None}
+        total = sum(rates.values())
+        for name, rate in rates.items():
+            host.set_quota(name, None if total <= 0 else int(host.budget_bytes * rate / total))
 
     def set_expert_slots(self, slots: dict[str, int]) -> None:
         """Apply per-model slot counts: shrinks first (waiting out their in-flight loads, so
@@ -379,6 +393,9 @@ class Router:
             pager = self.pager.stats(model.name)
             out["planned_slots"] = pager["num_slots"]
             out["pager"] = pager
+        host = self.pager.loader.host_cache
+        if host is not None:
+            out["host_cache_bytes"] = host.used_by(model.name)
         return out
 
     def shutdown(self) -> None:

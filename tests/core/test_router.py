@@ -229,3 +229,17 @@ def test_llm_accepts_every_policy(hf_checkpoints, policy):
     assert out[0].token_ids == reference[0].token_ids
     plan = llm.plan()
     assert plan["policy"] == policy and plan["models"][llm.name]["state"] == "warm"
+
+
+def test_host_cache_is_shared_by_request_rate(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, experts=4, host_memory=1 << 20)
+    for i in range(8):
+        router.add_request(Request(f"a{i}", "a", [3 + i, 4], _params(2)))
+    router.add_request(Request("b0", "b", [3, 4], _params(2)))
+    _run(router, clock, _finished([f"a{i}" for i in range(8)] + ["b0"]))
+    router.replan()
+    host = router.pager.loader.host_cache
+    assert host.quota("a") > 4 * host.quota("b") > 0
+    assert host.used_by("a") <= host.quota("a") and host.used_by("b") <= host.quota("b")
+    assert router.snapshot()["models"]["a"]["host_cache_bytes"] == host.used_by("a")
