@@ -130,6 +130,13 @@ class ExpertPager:
             m.budget_bytes = slots * m.pool.expert_nbytes
             self._drain(m)
 
+    def remove_model(self, name: str) -> None:
+        """Forget a model (no step may be using it): its in-flight loads land, then go."""
+        self.wait_for_loads(name)
+        with self._lock:
+            pool = self._models.pop(name).pool
+            assert pool.is_quiet, f"{name} still has leased experts"
+
     def set_policy(self, name: str, policy: str) -> None:
         with self._lock:
             self._models[name].policy = make_policy(policy)

@@ -128,6 +128,23 @@ class Router:
             self._start_load(model)
         return model
 
+    def remove_model(self, name: str) -> list[RequestOutput]:
+        """Stop serving the model: its requests abort, its memory is freed."""
+        model = self._served(name)
+        gone = ModelNotFoundError(f"model {name!r} was removed")
+        outputs = [out for rid in [r for r, t in self._requests.items() if t.model == name]
+                   if (out := self.abort(rid, gone)) is not None]
+        if model.state == ModelState.LOADING:
+            self._loader.submit(lambda: None).result()        # let its load land first
+            self._install_landed()
+        if model.state == ModelState.WARM:
+            self.park(model)
+        if model.ckpt is not None:
+            self.engine.remove_model(name)
+            self.pager.remove_model(name)
+        del self.models[name]
+        return outputs
+
     def warm_up(self, name: str, whole: bool | None = None) -> None:
         """Load the model now and wait for it (the offline LLM's start-up); `whole`: every
         expert too (None: as the policy loads models)."""

@@ -66,6 +66,12 @@ class Engine:
         self.scheduler.add_model(name)
         self.models[name] = _Model(spec, device, kv, tokenizer, eos_token_ids)
 
+    def remove_model(self, name: str) -> None:
+        assert not self.scheduler.queues[name].has_work, f"{name} still has requests"
+        del self.models[name]
+        self.scheduler.queues.pop(name)
+        self.kv_pool.remove_model(name)
+
     def set_weights(self, name: str, model: MoEDecoder | None) -> None:
         """Loaded weights let the model run; None takes them away (it must hold no work)."""
         entry = self.models[name]

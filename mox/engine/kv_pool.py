@@ -29,6 +29,10 @@ class KVPool:
         assert store.block_size == self.block_size
         self._models[name] = _ModelBlocks(store)
 
+    def remove_model(self, name: str) -> None:
+        assert self._models[name].num_used == 0, name
+        self._models.pop(name).store.release()
+
     @property
     def used_bytes(self) -> int:
         return sum(m.num_used * m.store.block_nbytes for m in self._models.values())

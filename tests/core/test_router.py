@@ -243,3 +243,23 @@ def test_host_cache_is_shared_by_request_rate(hf_checkpoints):
     assert host.quota("a") > 4 * host.quota("b") > 0
     assert host.used_by("a") <= host.quota("a") and host.used_by("b") <= host.quota("b")
     assert router.snapshot()["models"]["a"]["host_cache_bytes"] == host.used_by("a")
+
+
+def test_models_can_be_removed_and_added_while_serving(hf_checkpoints):
+    from mox.errors import ModelNotFoundError
+
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock)
+    router.add_request(Request("a1", "a", [3, 4], _params(2)))
+    _run(router, clock, _finished(["a1"]))
+    router.add_request(Request("a2", "a", [3, 4], _params(50)))
+    outputs = router.remove_model("a")
+    assert [o.finish_reason for o in outputs] == [FinishReason.ABORT]
+    assert isinstance(router.take_error("a2"), ModelNotFoundError)
+    assert "a" not in router.models and router.device_used_bytes() == 0
+    with pytest.raises(ModelNotFoundError):
+        router.add_request(Request("a3", "a", [3], _params(2)))
+    router.add_model("c", hf_checkpoints["mixtral"][0])
+    router.add_request(Request("c1", "c", [3, 4], _params(2)))
+    router.add_request(Request("b1", "b", [3, 4], _params(2)))
+    _run(router, clock, _finished(["c1", "b1"]))
