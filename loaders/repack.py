@@ -14,6 +14,8 @@ import json
 import math
 import os
 import shutil
+import struct
+from collections.abc import Callable
 
 from .checkpoint import INDEX_FILE, Checkpoint
 from .layout import expert_tensors
@@ -22,7 +24,9 @@ from .writer import SINGLE_FILE, plan_shards, write_json_atomic
 
 ALIGNMENT = 4096
 COPY_CHUNK_BYTES = 64 << 20
-LAYOUT_METADATA = {"format": "pt", "mox_layout": "expert-major"}
+LAYOUT_KEY, EXPERT_MAJOR = "mox_layout", "expert-major"
+LAYOUT_METADATA = {"format": "pt", LAYOUT_KEY: EXPERT_MAJOR}
+Progress = Callable[[int], None]      # called with the number of bytes just copied
 
 
 def expert_major_units(ckpt: Checkpoint) -> list[list[str]]:
@@ -35,7 +39,26 @@ def expert_major_units(ckpt: Checkpoint) -> list[list[str]]:
     return units + [[n] for n in ckpt.tensors if n not in placed]
 
 
-def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30) -> str:
+def is_expert_major(ckpt: Checkpoint) -> bool:
+    """Whether every shard carries the marker `repack_expert_major` writes in its header
+    metadata. The marker, not the tensor order, decides: `save_pretrained` often stores an
+    expert's three tensors side by side too, but unaligned and with no promise of it."""
+    files = {info.file for info in ckpt.tensors.values()}
+    return bool(files) and all(_metadata(f).get(LAYOUT_KEY) == EXPERT_MAJOR for f in files)
+
+
+def _metadata(path: str) -> dict:
+    """A shard's `__metadata__` (its header was validated when the checkpoint opened)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(HEADER_LENGTH_BYTES))
+        metadata = json.loads(f.read(header_len)).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30,
+                        progress: Progress | None = None) -> str:
+    """Write `src` expert-major into `dst`; `progress` hears of every chunk copied (the
+    total is the sum of the tensors' bytes)."""
     ckpt = Checkpoint(src)
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(ckpt.path):                  # config, tokenizer, generation config
@@ -51,7 +74,7 @@ def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30) -> s
     files = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for names, file in zip(shards, files):
-        _write_shard(os.path.join(dst, file), [ckpt.tensors[n] for n in names])
+        _write_shard(os.path.join(dst, file), [ckpt.tensors[n] for n in names], progress)
     if len(shards) > 1:
         write_json_atomic(os.path.join(dst, INDEX_FILE), {
             "metadata": {"total_size": sum(i.nbytes for i in ckpt.tensors.values())},
@@ -71,19 +94,19 @@ def _header(infos: list[TensorInfo]) -> bytes:
     return raw + b" " * (data_start - HEADER_LENGTH_BYTES - len(raw))
 
 
-def _write_shard(path: str, infos: list[TensorInfo]) -> None:
+def _write_shard(path: str, infos: list[TensorInfo], progress: Progress | None) -> None:
     header = _header(infos)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as out:
         out.write(len(header).to_bytes(HEADER_LENGTH_BYTES, "little") + header)
         for info in infos:
-            _copy_range(info, out)
+            _copy_range(info, out, progress)
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
 
 
-def _copy_range(info: TensorInfo, out) -> None:
+def _copy_range(info: TensorInfo, out, progress: Progress | None) -> None:
     with open(info.file, "rb") as src:
         done = 0
         while done < info.nbytes:
@@ -93,3 +116,5 @@ def _copy_range(info: TensorInfo, out) -> None:
                 raise OSError(f"{info.file}: ends inside tensor {info.name!r}")
             out.write(chunk)
             done += len(chunk)
+            if progress is not None:
+                progress(len(chunk))

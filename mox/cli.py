@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from mox.cli_models import add_models_parser
 from mox.errors import MoxError
 
 
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--routing-skew", type=float, default=0.0,
                       help="Zipf exponent of expert popularity (0 = uniform)")
     demo.set_defaults(func=_demo_build)
+    add_models_parser(sub)
     return parser
 
 

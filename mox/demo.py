@@ -23,6 +23,7 @@ from mox.demo_tokenizer import EOS, build_tokenizer, write_tokenizer
 from mox.loaders import parse_config
 from mox.loaders.layout import expected_tensors
 from mox.loaders.writer import write_json_atomic, write_sharded
+from mox.registry import default_home
 
 DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 PRESETS = ("demo", "bench")
@@ -187,10 +188,6 @@ def build_checkpoint(out_dir: str, arch: str, size: Size, seed: int = 0,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def default_home() -> str:
-    return os.environ.get("MOX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mox")
 
 
 def ensure_demo_models(home: str | None = None, preset: str = "demo",

@@ -1,0 +1,225 @@
+"""`mox models add|list|show|rm|import|verify`: the model registry from the command line.
+
+`import` and `verify` read whole checkpoints (every tensor's bytes), so they show a byte
+progress bar on stderr when it is a terminal; the other commands only read headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+
+import msgspec
+import torch
+from tqdm import tqdm
+
+from mox.errors import CheckpointError
+from mox.loaders import Checkpoint
+from mox.loaders.repack import repack_expert_major
+from mox.loaders.safetensors_format import TensorInfo
+from mox.loaders.stream import read_tensor
+from mox.registry import (
+    CheckpointFacts,
+    ModelEntry,
+    Registry,
+    RegistryError,
+    facts_of,
+    validate_checkpoint,
+    validate_name,
+)
+
+IMPORTED_SUFFIX = ".expert-major"     # MOX_HOME/models/NAME.expert-major
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+Progress = Callable[[int], None]
+
+
+class VerifySummary(msgspec.Struct, frozen=True):
+    num_tensors: int
+    num_bytes: int
+    num_files: int
+
+
+def format_bytes(num_bytes: int) -> str:
+    size, unit = float(num_bytes), 0
+    while size >= 1024 and unit < len(BYTE_UNITS) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{num_bytes} B" if unit == 0 else f"{size:.1f} {BYTE_UNITS[unit]}"
+
+
+def _progress_bar(desc: str, total: int) -> tqdm:
+    """Bytes, on stderr, only when stderr is a terminal (logs and tests stay clean)."""
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, disable=None, leave=False)
+
+
+def verify_checkpoint(path: str, progress: Progress | None = None) -> VerifySummary:
+    """Read every tensor's byte range whole (sizes checked against the headers) and require
+    floating tensors to be finite: what a header check cannot see, a NaN in the bytes or a
+    file cut short after registering, fails here naming the file and tensor."""
+    ckpt = Checkpoint(path)
+    infos = sorted(ckpt.tensors.values(), key=lambda i: (i.file, i.offset))   # sequential
+    for info in infos:
+        tensor = read_tensor(info)
+        if tensor.is_floating_point():
+            num_bad = int((~torch.isfinite(tensor)).sum())
+            if num_bad:
+                raise CheckpointError(info.file, f"tensor {info.name!r}: {num_bad} of "
+                                      f"{tensor.numel()} values are NaN or infinite")
+        if progress is not None:
+            progress(info.nbytes)
+    return VerifySummary(len(infos), sum(i.nbytes for i in infos),
+                         len({i.file for i in infos}))
+
+
+def check_same_tensors(src: str, dst: str, progress: Progress | None = None) -> None:
+    """Every tensor of `dst` has the name, dtype, shape and bytes it has in `src`."""
+    original, copy = Checkpoint(src), Checkpoint(dst)
+    if set(original.tensors) != set(copy.tensors):
+        missing = sorted(set(original.tensors) ^ set(copy.tensors))[:3]
+        raise CheckpointError(dst, f"tensor names differ from {src} (e.g. {missing})")
+    for name, info in copy.tensors.items():
+        if not _same_bytes(original.tensors[name], info):
+            raise CheckpointError(info.file, f"tensor {name!r} differs from {src}")
+        if progress is not None:
+            progress(info.nbytes)
+
+
+def _same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+        return False
+    # compare bytes, not values: NaN != NaN, and -0.0 == 0.0
+    return torch.equal(read_tensor(a).reshape(-1).view(torch.uint8),
+                       read_tensor(b).reshape(-1).view(torch.uint8))
+
+
+def import_expert_major(registry: Registry, entry: ModelEntry) -> ModelEntry:
+    """Repack `entry` into a temp folder beside its final place, check it holds the same
+    tensors, then move it into place and switch the entry over in one registry write. An
+    interruption anywhere leaves the registry pointing at the original checkpoint."""
+    final = os.path.join(registry.models_dir, validate_name(entry.name) + IMPORTED_SUFFIX)
+    os.makedirs(registry.models_dir, exist_ok=True)
+    staged = tempfile.mkdtemp(prefix=f".importing-{entry.name}-", dir=registry.models_dir)
+    try:
+        os.chmod(staged, 0o755)                  # mkdtemp's 0700 would hide it from a server
+        total = entry.dense_bytes + entry.expert_bytes
+        with _progress_bar(f"repack {entry.name}", total) as bar:
+            repack_expert_major(entry.path, staged, progress=bar.update)
+        with _progress_bar(f"check {entry.name}", total) as bar:
+            check_same_tensors(entry.path, staged, bar.update)
+        return registry.switch_checkpoint(entry.name, entry.path, staged, final)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)     # already moved after a switch
+
+
+def _stale_fields(entry: ModelEntry, facts: CheckpointFacts) -> list[str]:
+    registered = msgspec.structs.asdict(facts_of(entry))
+    return [f"{k}: registered {v!r}, now {getattr(facts, k)!r}"
+            for k, v in registered.items() if getattr(facts, k) != v]
+
+
+def _print_json(obj: object) -> None:
+    print(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode())
+
+
+def _table(entries: list[ModelEntry]) -> str:
+    header = ("NAME", "ARCH", "DTYPE", "EXPERTS", "LAYERS", "EXPERT BYTES", "REPACKED", "PATH")
+    rows = [header] + [(e.name, e.architecture, e.dtype, str(e.num_experts),
+                        f"{e.num_moe_layers}/{e.num_layers}", format_bytes(e.expert_bytes),
+                        "yes" if e.repacked else "no", e.path) for e in entries]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]])
+                     for row in rows)
+
+
+def _add(args: argparse.Namespace) -> int:
+    entry = Registry(args.home).add(args.name, args.path, replace=args.replace)
+    print(f"added {entry.name}: {entry.architecture}, {entry.num_experts} experts x "
+          f"{entry.num_moe_layers} layers, {format_bytes(entry.expert_bytes)} experts + "
+          f"{format_bytes(entry.dense_bytes)} dense ({entry.dtype}), from {entry.path}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    registry = Registry(args.home)
+    entries = registry.list()
+    if args.json:
+        _print_json(entries)
+    elif entries:
+        print(_table(entries))
+    else:
+        print(f"no models registered in {registry.path}; add one with `mox models add`")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    entry = Registry(args.home).get(args.name)
+    if args.json:
+        _print_json(entry)
+        return 0
+    fields = msgspec.structs.asdict(entry)
+    width = max(map(len, fields))
+    for key in ("name", *(k for k in fields if k != "name")):
+        value = fields[key]
+        shown = f"{format_bytes(value)} ({value})" if key.endswith("_bytes") else value
+        print(f"{key.ljust(width)}  {shown}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    entry = Registry(args.home).remove(args.name)
+    print(f"removed {entry.name} (its files stay at {entry.path})")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    registry = Registry(args.home)
+    entry = registry.get(args.name)
+    if entry.repacked:
+        print(f"{entry.name} is already expert-major at {entry.path}; nothing to do")
+        return 0
+    new = import_expert_major(registry, entry)
+    print(f"imported {new.name} expert-major into {new.path} "
+          f"(the original at {entry.path} is left in place)")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    entry = Registry(args.home).get(args.name)
+    stale = _stale_fields(entry, validate_checkpoint(entry.path))
+    if stale:
+        raise RegistryError(f"{entry.path} no longer matches its registry entry ("
+                            f"{'; '.join(stale)}); re-add it with `mox models add --replace`")
+    with _progress_bar(f"verify {entry.name}", entry.dense_bytes + entry.expert_bytes) as bar:
+        summary = verify_checkpoint(entry.path, bar.update)
+    print(f"{entry.name}: ok, {summary.num_tensors} tensors, "
+          f"{format_bytes(summary.num_bytes)} in {summary.num_files} files read and finite")
+    return 0
+
+
+def add_models_parser(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="manage the registered models (MOX_HOME)")
+    commands = models.add_subparsers(dest="models_command", required=True)
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str,
+                takes_name: bool = True) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help)
+        if takes_name:
+            parser.add_argument("name")
+        parser.add_argument("--home", help="MOX_HOME (default $MOX_HOME or ~/.cache/mox)")
+        parser.set_defaults(func=func)
+        return parser
+
+    add = command("add", _add, "validate a checkpoint folder and register it under NAME")
+    add.add_argument("path", help="Hugging Face checkpoint folder")
+    add.add_argument("--replace", action="store_true", help="replace an existing NAME")
+    listing = command("list", _list, "list the registered models", takes_name=False)
+    listing.add_argument("--json", action="store_true")
+    show = command("show", _show, "show one model's entry")
+    show.add_argument("--json", action="store_true")
+    command("rm", _rm, "unregister a model (its files stay)")
+    command("import", _import, "repack a model expert-major into MOX_HOME/models")
+    command("verify", _verify, "read every tensor; check sizes and that weights are finite")
