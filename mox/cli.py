@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -42,6 +43,53 @@ def _demo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from mox.router import RouterConfig
+    from mox.serve import ServeOptions, serve
+    from mox.units import parse_size
+
+    logging.basicConfig(level=logging.INFO, format="mox: %(message)s")
+    config = RouterConfig(
+        policy=args.policy, device=args.device, dtype=args.dtype,
+        device_memory=parse_size(args.device_memory), host_memory=parse_size(args.host_memory),
+        kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
+        max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
+        dense_idle_s=args.idle_timeout)
+    options = ServeOptions(args.host, args.port, args.home, args.demo,
+                           args.api_key or os.environ.get("MOX_API_KEY") or None, config)
+    return asyncio.run(serve(options))
+
+
+def _add_serve_parser(sub) -> None:
+    from mox.router import ROUTER_POLICIES
+
+    serve = sub.add_parser("serve", help="serve the registry's models over an OpenAI API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--home", help="MOX_HOME (default ~/.cache/mox)")
+    serve.add_argument("--demo", action="store_true",
+                       help="build and register the demo models if missing, and serve them")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda")
+    serve.add_argument("--dtype", default="bfloat16")
+    serve.add_argument("--device-memory", help="bytes for dense weights + experts of all "
+                       "models, e.g. 4GiB (default: no limit)")
+    serve.add_argument("--host-memory", help="RAM cache of expert bytes (default: off)")
+    serve.add_argument("--kv-memory", default="1GiB", help="KV cache pool for all models")
+    serve.add_argument("--policy", default="rate", choices=ROUTER_POLICIES)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also "
+                       "MOX_API_KEY)")
+    serve.add_argument("--max-waiting-per-model", type=int, default=256)
+    serve.add_argument("--max-waiting", type=int, default=1024)
+    serve.add_argument("--queue-timeout", type=float, default=120.0,
+                       help="seconds a request may wait before it is aborted")
+    serve.add_argument("--idle-timeout", type=float, default=300.0,
+                       help="seconds idle before a model's weights leave the device")
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Zipf exponent of expert popularity (0 = uniform)")
     demo.set_defaults(func=_demo_build)
     add_models_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 

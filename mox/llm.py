@@ -58,7 +58,7 @@ class LLM:
                                       f"{ROUTER_POLICIES}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.checkpoint = Checkpoint(model)
+        self.checkpoint = Checkpoint(_checkpoint_path(model))
         self.name = self.checkpoint.path
         host_bytes = parse_size(host_memory)
         if host_bytes is None and self.device.type == "cuda":
@@ -156,6 +156,15 @@ class LLM:
             prompts = [prompts] if isinstance(prompts, str) else prompts
             prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
         return [list(p) for p in prompt_token_ids]
+
+
+def _checkpoint_path(model: str) -> str:
+    """A folder as given; otherwise a name registered in MOX_HOME's registry."""
+    if os.path.isdir(model) or os.sep in model:
+        return model
+    from mox.registry import Registry
+
+    return Registry().get(model).path
 
 
 def default_host_cache_bytes(ckpt: Checkpoint) -> int:

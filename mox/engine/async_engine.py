@@ -72,7 +72,7 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._deliver([o for o in [self.driver.abort(request_id)] if o]))
+        self._submit(lambda: self.deliver([o for o in [self.driver.abort(request_id)] if o]))
 
     def call(self, fn: Callable[[Driver], object]) -> None:
         """Run `fn(driver)` on the engine thread between steps (inspection, admin)."""
@@ -105,7 +105,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - an admin call's bug must not stop serving
                     log.exception("engine command failed")
             try:
-                self._deliver(self.driver.step())
+                self.deliver(self.driver.step())
             except Exception as e:  # noqa: BLE001 - a bug must not hang every client
                 self._fail_all(e)
             if not self.driver.has_work:
@@ -118,7 +118,7 @@ class AsyncEngine:
             self.driver.abort(request_id)
             self._deliver_one(request_id, error)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def deliver(self, outputs: list[RequestOutput]) -> None:
         """Outputs go to their streams; a request that ended in an error (its model failed,
         it timed out in the queue) raises that error from its iterator instead."""
         for out in outputs:

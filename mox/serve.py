@@ -1,0 +1,176 @@
+"""`mox serve`: the registry's models behind the router, behind the OpenAI-compatible server.
+
+    registry.json -> Router (memory plan, engine) -> AsyncEngine (its own thread)
+                  -> RouterBackend (the server's one dependency) -> aiohttp app
+
+The server follows the registry while it runs: models added with `mox models add` start
+serving, removed ones stop (their requests abort). SIGINT/SIGTERM stop accepting, give
+in-flight requests a grace period, abort the rest, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from mox.engine.async_engine import AsyncEngine
+from mox.engine.sequence import Request, RequestOutput
+from mox.errors import ModelNotFoundError, ModelUnavailableError
+from mox.registry import ModelEntry, Registry
+from mox.router import Router, RouterConfig
+from mox.served_model import ModelState, ServedModel
+from mox.server.app import create_app, start_server
+from mox.server.backend import ModelInfo, PageInObserver
+from mox.server.chat_template import ChatTemplate
+from mox.tokenizer import Tokenizer
+
+log = logging.getLogger("mox.serve")
+# How often the registry file's mtime is compared: a model added from the CLI serves within
+# about this long, and a stat() per second costs nothing.
+REGISTRY_CHECK_S = 1.0
+
+
+class RouterBackend:
+    """The router, driven by AsyncEngine's thread, as the HTTP layer's `ServingBackend`.
+    Changes to the model table run on the engine thread (`AsyncEngine.call`)."""
+
+    def __init__(self, router: Router, created: dict[str, int] | None = None) -> None:
+        self.router = router
+        self.created = dict(created or {})
+        self._templates: dict[str, ChatTemplate] = {}
+        self.async_engine = AsyncEngine(router)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def models(self) -> list[ModelInfo]:
+        now = int(time.time())
+        return [ModelInfo(name, m.state, self.created.get(name, now), m.error)
+                for name, m in list(self.router.models.items())]
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.router.models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"model {name!r} is not served")
+        if model.state == ModelState.FAILED:
+            raise ModelUnavailableError(f"model {name!r} failed to load: {model.error}")
+        return model
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        return self._model(model).tokenizer
+
+    def chat_template(self, model: str) -> ChatTemplate:
+        served = self._model(model)
+        if model not in self._templates:
+            self._templates[model] = ChatTemplate.from_checkpoint(served.path)
+        return self._templates[model]
+
+    def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        return self.async_engine.generate(request)
+
+    def snapshot(self) -> dict:
+        return self.router.snapshot()
+
+    def set_page_in_observer(self, observer: PageInObserver) -> None:
+        self.router.pager.on_page_in = observer
+
+    def follow_registry(self, entries: list[ModelEntry]) -> None:
+        """Serve exactly the registry's models (on the engine thread)."""
+        wanted = {e.name: e for e in entries}
+
+        def apply(router: Router) -> None:
+            for name in [n for n in router.models if n not in wanted]:
+                self.async_engine.deliver(router.remove_model(name))
+                log.info("model %s removed", name)
+            for name, entry in wanted.items():
+                served = router.models.get(name)
+                if served is not None and served.path != entry.path and (
+                        not router.has_requests(name)):
+                    router.remove_model(name)          # re-imported: serve the new files
+                    self._templates.pop(name, None)
+                if name not in router.models:
+                    router.add_model(name, entry.path)
+                    self.created[name] = _unix(entry.added)
+                    log.info("model %s added (%s)", name, router.models[name].state.value)
+
+        self.async_engine.call(apply)
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
+        self.router.shutdown()
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    home: str | None = None
+    demo: bool = False
+    api_key: str | None = None
+    router: RouterConfig = RouterConfig()
+
+
+def _unix(iso: str) -> int:
+    try:
+        return calendar.timegm(time.strptime(iso[:19], "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return int(time.time())
+
+
+def registered_models(options: ServeOptions) -> Registry:
+    registry = Registry(options.home)
+    if options.demo:
+        from mox.demo import ensure_demo_models
+
+        known = {e.name for e in registry.list()}
+        for name, path in ensure_demo_models(registry.home).items():
+            if name not in known:
+                registry.add(name, path)
+    return registry
+
+
+async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> int:
+    registry = registered_models(options)
+    entries = registry.list()
+    router = Router({e.name: e.path for e in entries}, options.router)
+    backend = RouterBackend(router, {e.name: _unix(e.added) for e in entries})
+    app = create_app(backend, api_key=options.api_key)
+    runner, port = await start_server(app, options.host, options.port)
+    for entry in entries:
+        served = router.models[entry.name]
+        note = f": {served.error}" if served.error else ""
+        print(f"mox: {entry.name} {served.state.value}{note}", file=sys.stderr)
+    print(f"mox: serving {len(entries)} models on http://{options.host}:{port}/v1 "
+          f"(policy {options.router.policy})", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_registry(registry, backend))
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    print("mox: stopping: finishing in-flight requests", file=sys.stderr, flush=True)
+    watcher.cancel()
+    await runner.cleanup()            # stops accepting; in-flight get the grace period
+    backend.shutdown()
+    return 0
+
+
+async def _watch_registry(registry: Registry, backend: RouterBackend) -> None:
+    seen = registry.version()
+    while True:
+        await asyncio.sleep(REGISTRY_CHECK_S)
+        version = registry.version()
+        if version != seen:
+            seen = version
+            try:
+                backend.follow_registry(registry.list())
+            except Exception:  # noqa: BLE001 - a bad registry edit must not stop serving
+                log.exception("could not reload %s", registry.path)
