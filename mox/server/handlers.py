@@ -1,0 +1,113 @@
+"""The route handlers. Each is thin: decode -> tokenize -> `Request` -> backend -> respond
+(stream or collect). Every error they raise is turned into an OpenAI error body by
+`errors.error_middleware`."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+from msgspec import UNSET
+
+from mox.engine.sequence import Request
+from mox.errors import InvalidRequestError
+from mox.server.backend import ServingBackend
+from mox.server.errors import NotReadyError
+from mox.server.formatting import ChatFormat, CompletionFormat, OutputFormat
+from mox.server.generation import Generation
+from mox.server.metrics import ServerMetrics
+from mox.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_sampling_params,
+    completion_prompt,
+    completion_sampling_params,
+    decode_body,
+)
+from mox.server.responses import ModelCard, ModelList
+from mox.server.sse import stream_sse
+from mox.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    backend: ServingBackend
+    metrics: ServerMetrics
+
+
+CONTEXT = web.AppKey("mox_server_context", ServerContext)
+
+
+def json_response(body: msgspec.Struct) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def list_models(http_request: web.Request) -> web.Response:
+    backend = http_request.app[CONTEXT].backend
+    return json_response(ModelList([
+        ModelCard(info.name, info.created, info.state.value,
+                  error=UNSET if info.error is None else info.error)
+        for info in backend.models()]))
+
+
+async def health(http_request: web.Request) -> web.Response:
+    if not http_request.app[CONTEXT].backend.is_ready():
+        raise NotReadyError("mox is starting; not ready yet")
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(http_request: web.Request) -> web.Response:
+    body, content_type = http_request.app[CONTEXT].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def _text_ids(tokenizer: Tokenizer | None, text: str, model: str, param: str) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequestError(f"model {model!r} has no tokenizer; send token ids",
+                                  param=param)
+    return tokenizer.encode(text)
+
+
+async def create_completion(http_request: web.Request) -> web.StreamResponse:
+    ctx = http_request.app[CONTEXT]
+    body = decode_body(await http_request.read(), CompletionRequest)
+    params = completion_sampling_params(body)
+    tokenizer = ctx.backend.tokenizer(body.model)
+    prompt = completion_prompt(body.prompt)
+    prompt_ids = (prompt if isinstance(prompt, list)
+                  else _text_ids(tokenizer, prompt, body.model, "prompt"))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    fmt = CompletionFormat(request_id, body.model, tokenizer)
+    return await _respond(http_request, ctx, Request(request_id, body.model, prompt_ids, params),
+                          fmt, body.stream, body.include_usage)
+
+
+async def create_chat_completion(http_request: web.Request) -> web.StreamResponse:
+    ctx = http_request.app[CONTEXT]
+    body = decode_body(await http_request.read(), ChatCompletionRequest)
+    params = chat_sampling_params(body)
+    tokenizer = ctx.backend.tokenizer(body.model)
+    text = ctx.backend.chat_template(body.model).render(
+        [m.as_template_input() for m in body.messages])
+    prompt_ids = _drop_double_bos(_text_ids(tokenizer, text, body.model, "messages"), tokenizer)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    fmt = ChatFormat(request_id, body.model, tokenizer)
+    return await _respond(http_request, ctx, Request(request_id, body.model, prompt_ids, params),
+                          fmt, body.stream, body.include_usage)
+
+
+def _drop_double_bos(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    """A template that writes bos itself, with a tokenizer that adds one too, would give two."""
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+async def _respond(http_request: web.Request, ctx: ServerContext, request: Request,
+                   fmt: OutputFormat, stream: bool, include_usage: bool) -> web.StreamResponse:
+    generation = Generation(ctx.backend, request, ctx.metrics)
+    if stream:
+        return await stream_sse(http_request, generation, fmt, include_usage)
+    result = await generation.collect()
+    return json_response(fmt.response(result, generation.usage))

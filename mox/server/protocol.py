@@ -1,0 +1,205 @@
+"""OpenAI request bodies as msgspec Structs, their decoding, and their sampling parameters.
+
+Unknown fields are ignored (msgspec's default), as OpenAI clients expect. Known OpenAI
+parameters that mox cannot honour are refused with a 400 naming the parameter, never
+silently dropped. `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's extensions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+import msgspec
+
+from mox.errors import InvalidRequestError
+from mox.sampling import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
+UNTIL_CONTEXT = 2**31 - 1               # chat's default: the engine stops at the context end
+MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
+DEFAULT_TEMPERATURE = 1.0
+SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
+
+T = TypeVar("T")
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                       # accepted and ignored, as OpenAI does
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # a string, token ids, or a batch of one of either
+    prompt: str | list[int | str | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates expect it: text content (parts joined by lines)."""
+        if isinstance(self.content, list):
+            if any(p.type != "text" or p.text is None for p in self.content):
+                raise InvalidRequestError("only text content parts are supported",
+                                          param="messages")
+            content = "\n".join(p.text for p in self.content)
+        else:
+            content = self.content or ""
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: ResponseFormat | None = None
+
+
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """JSON bytes -> `kind`; malformed JSON and wrong types raise InvalidRequestError whose
+    `param` is the offending field's path (e.g. `temperature`, `messages[0].content`)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        at = _AT_PATH.search(message)
+        path = at.group("path") if at else ""
+        missing = _MISSING_FIELD.search(message)
+        if missing:
+            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        raise InvalidRequestError(f"invalid request body: {message}", param=path or None) from e
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"malformed JSON body: {e}") from e
+
+
+def _require(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise InvalidRequestError(message, param=param)
+
+
+def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_param: str) -> None:
+    _require(body.n in (None, 1), f"n must be 1 (got {body.n}); send one request per choice",
+             "n")
+    _require(max_tokens is None or max_tokens >= 1,
+             f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+    t = body.temperature
+    _require(t is None or 0.0 <= t <= MAX_TEMPERATURE,
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", "temperature")
+    _require(body.top_p is None or 0.0 < body.top_p <= 1.0,
+             f"top_p must be in (0, 1], got {body.top_p}", "top_p")
+    _require(body.top_k is None or body.top_k == -1 or body.top_k >= 1,
+             f"top_k must be -1 (off) or at least 1, got {body.top_k}", "top_k")
+    _require(body.seed is None or SEED_RANGE[0] <= body.seed <= SEED_RANGE[1],
+             f"seed out of range: {body.seed}", "seed")
+    _require(all(_stop_list(body.stop)), "stop strings must be non-empty", "stop")
+    _require(body.stream or body.stream_options is None,
+             "stream_options is only allowed with stream=true", "stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _require(not getattr(body, name), f"{name} is not supported", name)
+    _require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+
+
+def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k,
+        seed=body.seed, stop=_stop_list(body.stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        logprobs=logprobs)
+
+
+def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+    """Range checks (400 naming the parameter), then SamplingParams. `logprobs`: only the
+    chosen token's log-probability is reported, so only `logprobs=0` is accepted."""
+    _check_common(body, body.max_tokens, "max_tokens")
+    _require(body.logprobs in (None, 0), "only logprobs=0 (the chosen token's log-probability)"
+             " is supported; top alternatives are not", "logprobs")
+    _require(not body.echo, "echo is not supported", "echo")
+    _require(body.best_of in (None, 1), "best_of must be 1", "best_of")
+    _require(body.suffix is None, "suffix is not supported", "suffix")
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return _params(body, max_tokens, logprobs=body.logprobs is not None)
+
+
+def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+    """As completions; `max_completion_tokens` wins over the older `max_tokens`; without
+    either, generation runs to an end of sequence or the model's context."""
+    limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    _check_common(body, limit, limit_param)
+    _require(not body.top_logprobs, "top_logprobs is not supported; logprobs=true reports the "
+             "chosen token's log-probability", "top_logprobs")
+    _require(not body.tools, "tools are not supported", "tools")
+    _require(body.response_format is None or body.response_format.type == "text",
+             "only response_format type 'text' is supported", "response_format")
+    _require(len(body.messages) > 0, "messages must not be empty", "messages")
+    return _params(body, UNTIL_CONTEXT if limit is None else limit, bool(body.logprobs))
+
+
+def completion_prompt(prompt: str | list[int | str | list[int]]) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids (batches of more than one
+    prompt are refused: send one request per prompt)."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    _require(len(prompt) == 1, "prompt must be one string or one list of token ids "
+             "(batched prompts are not supported)", "prompt")
+    only = prompt[0]
+    _require(not isinstance(only, int) and bool(only), "prompt must not be empty", "prompt")
+    return only

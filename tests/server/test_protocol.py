@@ -1,0 +1,158 @@
+"""Request decoding, parameter checks and chat templates, without a server."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mox.errors import InvalidRequestError
+from mox.server.chat_template import CHATML_TEMPLATE, ChatTemplate
+from mox.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    UNTIL_CONTEXT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_sampling_params,
+    completion_prompt,
+    completion_sampling_params,
+    decode_body,
+)
+
+
+def _completion(**fields) -> CompletionRequest:
+    return decode_body(json.dumps({"model": "m", "prompt": "hi", **fields}).encode(),
+                       CompletionRequest)
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return decode_body(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "m", "prompt": ', None),                              # malformed JSON
+    (b'[1, 2]', None),                                                  # not an object
+    (b'{"prompt": "hi"}', "model"),                                     # missing field
+    (b'{"model": "m", "prompt": "hi", "temperature": "hot"}', "temperature"),
+    (b'{"model": "m", "prompt": 5}', "prompt"),
+    (b'{"model": "m", "prompt": "hi", "stream_options": {"include_usage": 1}}',
+     "stream_options.include_usage"),
+])
+def test_bad_bodies_name_the_parameter(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        decode_body(body, CompletionRequest)
+    assert e.value.param == param
+
+
+def test_chat_path_names_the_message():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": 3}]}'
+    with pytest.raises(InvalidRequestError) as e:
+        decode_body(body, ChatCompletionRequest)
+    assert e.value.param == "messages[0].content"
+
+
+def test_unknown_fields_are_ignored_and_defaults_apply():
+    request = _completion(frobnicate=True, user="u1", nested={"x": [1]})
+    params = completion_sampling_params(request)
+    assert params.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS and params.temperature == 1.0
+    assert chat_sampling_params(_chat()).max_tokens == UNTIL_CONTEXT
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 2.5}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"), ({"top_k": 0}, "top_k"), ({"stop": ["ok", ""]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": 3}, "logprobs"),
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_out_of_range_values_are_refused(fields, param):
+    with pytest.raises(InvalidRequestError) as e:
+        completion_sampling_params(_completion(**fields))
+    assert e.value.param == param
+
+
+def test_sampling_params_carry_the_request():
+    params = completion_sampling_params(_completion(
+        max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="x", logprobs=0, top_k=4,
+        ignore_eos=True, stop_token_ids=[9]))
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0, 0.5, 3)
+    assert params.stop == ("x",) and params.logprobs and params.top_k == 4
+    assert params.ignore_eos and params.stop_token_ids == (9,)
+
+
+def test_chat_prefers_max_completion_tokens():
+    assert chat_sampling_params(_chat(max_tokens=5, max_completion_tokens=9)).max_tokens == 9
+    with pytest.raises(InvalidRequestError) as e:
+        chat_sampling_params(_chat(max_completion_tokens=0))
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(InvalidRequestError) as e:
+        chat_sampling_params(_chat(tools=[{"type": "function"}]))
+    assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"), ([[4, 5]], [4, 5]),
+])
+def test_prompt_forms(prompt, expected):
+    assert completion_prompt(prompt) == expected
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", "b"], [1, "a"], [""], [[]]])
+def test_batched_or_empty_prompts_are_refused(prompt):
+    with pytest.raises(InvalidRequestError) as e:
+        completion_prompt(prompt)
+    assert e.value.param == "prompt"
+
+
+def test_content_parts_are_joined_and_other_parts_refused():
+    chat = _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                        {"type": "text", "text": "b"}]}])
+    assert chat.messages[0].as_template_input() == {"role": "user", "content": "a\nb"}
+    image = _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(InvalidRequestError):
+        image.messages[0].as_template_input()
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_demo_checkpoint_template_is_chatml(demo_home):
+    template = ChatTemplate.from_checkpoint(os.path.join(demo_home, "models", "olmoe-demo"))
+    assert template.eos_token == "<|endoftext|>"
+    assert template.render(MESSAGES) == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                         "<|im_start|>user\nHi<|im_end|>\n"
+                                         "<|im_start|>assistant\n")
+
+
+def _checkpoint_with(tmp_path, config: dict) -> str:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_template_list_bos_and_raise_exception(tmp_path):
+    source = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+              "{{ raise_exception('no system role') }}{% endif %}[{{ m['content'] }}]"
+              "{% endfor %}")
+    path = _checkpoint_with(tmp_path, {"bos_token": {"content": "<s>"}, "chat_template": [
+        {"name": "tool_use", "template": "unused"}, {"name": "default", "template": source}]})
+    template = ChatTemplate.from_checkpoint(path)
+    assert template.render([{"role": "user", "content": "x"}]) == "<s>[x]"
+    with pytest.raises(InvalidRequestError, match="no system role") as e:
+        template.render(MESSAGES)
+    assert e.value.param == "messages"
+
+
+def test_missing_template_is_chatml_and_a_broken_one_refuses_chat(tmp_path):
+    assert ChatTemplate.from_checkpoint(str(tmp_path)).source == CHATML_TEMPLATE
+    broken = ChatTemplate("{% for m in messages %}")
+    with pytest.raises(InvalidRequestError, match="invalid"):
+        broken.render(MESSAGES)
+
+
+def test_sandbox_refuses_unsafe_templates():
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(InvalidRequestError):
+        template.render(MESSAGES)
