@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
 from mox.errors import MoxError
 
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Zipf exponent of expert popularity (0 = uniform)")
     demo.set_defaults(func=_demo_build)
     add_models_parser(sub)
+    add_bench_parser(sub)
     _add_serve_parser(sub)
     return parser
 

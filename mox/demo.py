@@ -26,7 +26,7 @@ from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
 DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-PRESETS = ("demo", "bench")
+PRESETS = ("demo", "mid", "bench")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
 TOKENIZER_VOCAB = 2048               # the BPE trainer stops earlier on the small corpus
@@ -36,6 +36,9 @@ CALIBRATION_STEPS = 60
 # Scaling a router row cannot lift an expert above ~1/2 of tokens: its logit is zero-mean, so
 # it is negative for half of them. Targets are capped a little below that.
 MAX_SCALED_FREQUENCY = 0.45
+# Copies of one architecture (`copies=`) differ by seed; a stride far above the architecture
+# index keeps every (architecture, copy) seed distinct.
+COPY_SEED_STRIDE = 1000
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,23 @@ DEMO_SIZES = {
 }
 # Realistic proportions: ~1.6 GB of experts and ~0.2 GB of dense weights in bf16.
 BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
+# Bench's expert count and top-k at about a quarter of its bytes (~0.38 GiB of experts +
+# ~0.07 GiB dense): a dozen of them fit the load test's 10-15 minutes on 2 CPU cores.
+MID_SIZE = Size(512, 8, 8, 4, 64, experts=64, top_k=4, moe_intermediate=256, vocab=32000)
 
 
-def demo_name(arch: str, preset: str = "demo", routing_skew: float = 0.0) -> str:
+def demo_name(arch: str, preset: str = "demo", routing_skew: float = 0.0,
+              copy: int = 0) -> str:
+    """e.g. `olmoe-bench-skew1`; copy i > 0 (another seed) gets the suffix `-i`."""
     skew = f"-skew{routing_skew:g}" if routing_skew else ""
-    return f"{arch.replace('_', '-')}-{preset}{skew}"
+    suffix = f"-{copy}" if copy else ""
+    return f"{arch.replace('_', '-')}-{preset}{skew}{suffix}"
+
+
+def preset_size(arch: str, preset: str) -> Size:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
+    return {"demo": DEMO_SIZES[arch], "mid": MID_SIZE, "bench": BENCH_SIZE}[preset]
 
 
 def hf_config(arch: str, size: Size, vocab: int) -> dict:
@@ -192,19 +207,23 @@ def build_checkpoint(out_dir: str, arch: str, size: Size, seed: int = 0,
 
 def ensure_demo_models(home: str | None = None, preset: str = "demo",
                        routing_skew: float = 0.0,
-                       architectures: tuple[str, ...] = DEMO_ARCHITECTURES) -> dict[str, str]:
-    """Build whichever of these checkpoints are missing under `home`/models; name -> path."""
+                       architectures: tuple[str, ...] = DEMO_ARCHITECTURES,
+                       copies: int = 1) -> dict[str, str]:
+    """Build whichever of these checkpoints are missing under `home`/models; name -> path.
+    `copies`: that many models per architecture, each from its own seed (copy 0 is the
+    model a single copy gives), for load tests of many distinct models."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
     home = home or default_home()
     paths = {}
-    for arch in architectures:
-        name = demo_name(arch, preset, routing_skew)
-        path = os.path.join(home, "models", name)
-        if not os.path.exists(os.path.join(path, "config.json")):
-            size = DEMO_SIZES[arch] if preset == "demo" else BENCH_SIZE
-            shard = DEMO_SHARD_BYTES if preset == "demo" else BENCH_SHARD_BYTES
-            build_checkpoint(path, arch, size, seed=DEMO_ARCHITECTURES.index(arch),
-                             routing_skew=routing_skew, max_shard_bytes=shard)
-        paths[name] = path
+    for copy in range(copies):
+        for arch in architectures:
+            name = demo_name(arch, preset, routing_skew, copy)
+            path = os.path.join(home, "models", name)
+            if not os.path.exists(os.path.join(path, "config.json")):
+                shard = DEMO_SHARD_BYTES if preset == "demo" else BENCH_SHARD_BYTES
+                seed = DEMO_ARCHITECTURES.index(arch) + copy * COPY_SEED_STRIDE
+                build_checkpoint(path, arch, preset_size(arch, preset), seed=seed,
+                                 routing_skew=routing_skew, max_shard_bytes=shard)
+            paths[name] = path
     return paths

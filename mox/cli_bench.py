@@ -1,0 +1,123 @@
+"""`mox bench`: the load-test harness (bench/harness.py) from the command line.
+
+    mox bench --quick                          # CI: demo models, < 1 minute
+    mox bench --out bench/results/harness      # full: 12 mid-size models, uniform + skewed
+
+Unset options take the mode's default (`QUICK` or `FULL`); `--quick` is the same code path
+with smaller numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mox.errors import InvalidRequestError
+
+DEFAULT_POLICIES = ("rate", "lru", "model-swap", "all-resident")
+# Per mode: models, preset, request rate, duration, lengths (mean, cv, min, max), skews, SLO.
+QUICK = dict(num_models=4, preset="demo", rate=4.0, duration_s=5.0, prompt=(24, 0.5, 4, 64),
+             output=(12, 0.5, 2, 24), routing_skews=[0.0], slo="ttft:1000 tpot:200",
+             routing_sequences=2, scrape_period_s=0.5)
+FULL = dict(num_models=12, preset="mid", rate=3.0, duration_s=60.0, prompt=(32, 0.5, 4, 128),
+            output=(32, 0.5, 4, 64), routing_skews=[0.0, 1.0], slo="ttft:2000 tpot:250",
+            routing_sequences=8, scrape_period_s=1.0)
+
+
+def parse_slo(text: str | list[str]) -> tuple[float, float]:
+    """`ttft:MS tpot:MS` (either order, as one string or separate words) -> (ttft, tpot)."""
+    words = text.split() if isinstance(text, str) else [w for t in text for w in t.split()]
+    values: dict[str, float] = {}
+    for word in words:
+        key, _, number = word.partition(":")
+        if key not in ("ttft", "tpot") or not number:
+            raise InvalidRequestError(f"bad SLO {word!r}: use ttft:MS tpot:MS", param="slo")
+        try:
+            values[key] = float(number)
+        except ValueError as e:
+            raise InvalidRequestError(f"bad SLO {word!r}: {number!r} is not a number",
+                                      param="slo") from e
+    if set(values) != {"ttft", "tpot"}:
+        raise InvalidRequestError("the SLO needs both ttft:MS and tpot:MS", param="slo")
+    return values["ttft"], values["tpot"]
+
+
+def bench_config(args: argparse.Namespace):
+    from mox.bench.report import SLO, BenchConfig
+    from mox.bench.workload import LengthDistribution
+
+    mode = QUICK if args.quick else FULL
+    pick = lambda value, key: mode[key] if value is None else value
+    prompt = list(mode["prompt"])
+    output = list(mode["output"])
+    if args.prompt_tokens is not None:
+        prompt[0] = args.prompt_tokens
+    if args.output_tokens is not None:
+        output[0] = args.output_tokens
+    ttft, tpot = parse_slo(pick(args.slo, "slo"))
+    return BenchConfig(
+        quick=args.quick, preset=pick(args.preset, "preset"), architecture=args.arch,
+        num_models=pick(args.models, "num_models"), alpha=args.alpha, cv=args.cv,
+        rate=pick(args.rate, "rate"), duration_s=pick(args.duration, "duration_s"),
+        prompt=LengthDistribution(*prompt), output=LengthDistribution(*output),
+        device_memory_fraction=args.device_memory_fraction,
+        routing_skews=pick(args.routing_skew, "routing_skews"), policies=args.policies,
+        slo=SLO(ttft, tpot), trace=args.trace, trace_speedup=args.trace_speedup,
+        seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
+        scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
+        home=args.home, out=args.out)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mox.bench.harness import run_bench
+    from mox.bench.report import write_report
+
+    config = bench_config(args)
+    results = run_bench(config)
+    for path in write_report(results, config.out):
+        print(path)
+    failed = False
+    for suite in results.suites:
+        t = suite.targets
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"
+        print(f"[{suite.name}] rate vs model-swap: p99 TTFT {fmt(t.p99_ttft_vs_model_swap)} "
+              f"(target <= 0.33x), goodput {fmt(t.goodput_vs_model_swap)} (>= 2x); vs "
+              f"all-resident: throughput {fmt(t.throughput_vs_all_resident)} (>= 0.8x)")
+        failed |= any(p.error is not None or not p.counts.ok for p in suite.policies)
+    return 1 if failed else 0
+
+
+def add_bench_parser(sub) -> None:
+    from mox.router import ROUTER_POLICIES
+
+    bench = sub.add_parser("bench", help="load-test every policy on one multi-model workload")
+    bench.add_argument("--quick", action="store_true",
+                       help="4 demo models, a few seconds per policy (CI)")
+    bench.add_argument("--out", default="mox-bench-results",
+                       help="folder for results.json, results.md, plots and server logs")
+    bench.add_argument("--policies", nargs="+", choices=ROUTER_POLICIES,
+                       default=list(DEFAULT_POLICIES))
+    bench.add_argument("--models", type=int, help="number of models (quick 4, full 12)")
+    bench.add_argument("--preset", choices=("demo", "mid", "bench"),
+                       help="model size (quick demo, full mid)")
+    bench.add_argument("--arch", default="olmoe",
+                       choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"))
+    bench.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of popularity")
+    bench.add_argument("--cv", type=float, default=2.0,
+                       help="coefficient of variation of inter-arrival gaps (1 = Poisson)")
+    bench.add_argument("--rate", type=float, help="total requests/s (quick 4, full 3)")
+    bench.add_argument("--duration", type=float, help="seconds of arrivals (quick 5, full 60)")
+    bench.add_argument("--prompt-tokens", type=float, help="mean prompt length")
+    bench.add_argument("--output-tokens", type=float, help="mean output length")
+    bench.add_argument("--device-memory-fraction", type=float, default=0.25,
+                       help="device budget: all dense bytes + this share of all expert bytes")
+    bench.add_argument("--routing-skew", type=float, nargs="+",
+                       help="one suite per value (0 = uniform; quick 0, full 0 1)")
+    bench.add_argument("--trace", help="CSV with timestamp,model,input_tokens,output_tokens")
+    bench.add_argument("--trace-speedup", type=float, default=1.0)
+    bench.add_argument("--slo", nargs="+", help="ttft:MS tpot:MS (quick ttft:1000 tpot:200, "
+                       "full ttft:2000 tpot:250)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--home", help="where the models are built (default MOX_HOME)")
+    bench.add_argument("--host-memory", help="RAM cache of expert bytes per server (off)")
+    bench.add_argument("--kv-memory", default="512MiB")
+    bench.set_defaults(func=_bench)
