@@ -1,0 +1,96 @@
+"""`mox bench --quick` end to end (two policies, to keep the suite fast; the CLI's --quick
+runs this code path with all four): results.json validates against the documented schema,
+and the Markdown and plots are written. Plus the pieces the report is made of."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from mox.bench.report import SLO, PolicyResult, Results, Summary, meets_slo, summary, targets
+from mox.bench.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
+from mox.cli import main
+from mox.cli_bench import parse_slo
+from mox.errors import InvalidRequestError
+
+
+def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
+    out = tmp_path / "out"
+    code = main(["bench", "--quick", "--home", str(tmp_path / "home"), "--out", str(out),
+                 "--policies", "rate", "model-swap", "--duration", "3"])
+    assert code == 0
+    results = msgspec.json.decode((out / "results.json").read_bytes(), type=Results)
+    assert results.config.quick and results.config.policies == ["rate", "model-swap"]
+    (suite,) = results.suites
+    assert suite.name == "uniform" and len(suite.models) == 4
+    assert suite.device_budget_bytes < suite.dense_bytes + suite.expert_bytes
+    assert suite.routing is not None and 0 < suite.routing.mean_entropy <= 1
+    for policy in suite.policies:
+        assert policy.error is None and policy.server_exit_code == 0
+        assert policy.counts.ok == policy.counts.requests == suite.workload.num_requests > 0
+        assert policy.latency.ttft.p99 >= policy.latency.ttft.p50 > 0
+        assert policy.counts.cold >= 1                 # every model starts cold
+        assert policy.pager.bytes_read > 0 and policy.timeline
+        assert len(policy.requests) == policy.counts.requests
+        assert sum(m.counts.requests for m in policy.per_model) == policy.counts.requests
+    assert suite.targets.p99_ttft_vs_model_swap is not None
+    assert suite.targets.throughput_vs_all_resident is None     # not run
+    markdown = (out / "results.md").read_text()
+    assert "| rate |" in markdown and "model-swap p99 TTFT" in markdown
+    for plot in ("ttft-cdf", "resident-bytes", "request-rate"):
+        assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
+
+
+def test_slo_parsing():
+    assert parse_slo(["ttft:500", "tpot:50"]) == (500.0, 50.0)
+    assert parse_slo("tpot:5 ttft:7.5") == (7.5, 5.0)
+    for bad in ("ttft:500", "ttft:x tpot:1", "e2e:3 tpot:1"):
+        with pytest.raises(InvalidRequestError):
+            parse_slo(bad)
+
+
+def test_summary_goodput_rule_and_target_ratios():
+    s = summary([1.0, 2.0, 3.0, 4.0])
+    assert (s.count, s.mean, s.p50) == (4, 2.5, 2.5) and s.p99 == pytest.approx(3.97)
+    assert summary([]) == Summary(0)
+    from mox.bench.loadgen import RequestResult
+
+    fast = RequestResult(index=0, model="a", arrival_s=0, sent_s=0, num_prompt_tokens=1,
+                         max_tokens=3, cold=False, ttft_s=0.1, e2e_s=0.3,
+                         num_output_tokens=3)
+    assert fast.tpot_s == pytest.approx(0.1)
+    assert meets_slo(fast, SLO(200, 100.1)) and not meets_slo(fast, SLO(200, 99))
+    assert not meets_slo(fast, SLO(50, 1000))
+
+    def policy(name, p99, goodput, throughput):
+        from mox.bench.report import Counts, Latency
+
+        ttft = Summary(1, p99, p99, p99, p99)
+        return PolicyResult(policy=name, counts=Counts(1, 1, 0, 0, 1, 1),
+                            latency=Latency(ttft, ttft, ttft, ttft, ttft, ttft),
+                            goodput_requests_per_s=goodput, throughput_tokens_per_s=throughput)
+
+    t = targets([policy("rate", 1.0, 4.0, 90.0), policy("model-swap", 4.0, 1.0, 50.0),
+                 policy("all-resident", 0.5, 5.0, 100.0)])
+    assert (t.p99_ttft_vs_model_swap, t.goodput_vs_model_swap) == (0.25, 4.0)
+    assert t.throughput_vs_all_resident == pytest.approx(0.9)
+    assert t.met_p99_ttft and t.met_goodput and t.met_throughput
+
+
+def test_routing_statistics_on_known_patterns():
+    rng = np.random.default_rng(0)
+    uniform = [np.stack([rng.choice(16, 2, replace=False) for _ in range(4000)])]
+    sticky = [np.tile([[1, 2]], (100, 1))]
+    u = layer_statistics(0, uniform, 16)
+    s = layer_statistics(0, sticky, 16)
+    assert u.entropy > 0.99 and u.previous_token_overlap == pytest.approx(2 / 16, abs=0.01)
+    assert u.lru_quarter_hit_rate == pytest.approx(0.25, abs=0.03)
+    assert s.entropy == pytest.approx(1 / 4)           # two of 16 experts: log 2 / log 16
+    assert s.previous_token_overlap == 1.0 and s.lru_quarter_hit_rate == 0.99
+    assert lru_hit_rate([np.array([[0], [1], [0], [2], [1]])], capacity=2) == 0.2
+    stats = routing_statistics("m", {0: uniform, 1: sticky}, 16, 2)
+    assert stats.num_tokens == 4000 and stats.uniform_overlap == 2 / 16
+    assert stats.mean_entropy == pytest.approx((u.entropy + s.entropy) / 2)
