@@ -243,8 +243,9 @@ class Router:
         holding = [m for m in self.models.values() if m.holds_device_memory]
         if holding:
             due.append(self._next_plan)
-            due += [m.last_active + self.config.dense_idle_s for m in holding
-                    if not self.has_requests(m.name)]
+            if not self.policy.pins_models:
+                due += [m.last_active + self.config.dense_idle_s for m in holding
+                        if m.state == ModelState.WARM and not self.has_requests(m.name)]
         return max(0.0, min(due) - now) if due else None
 
     def _account(self, outputs: list[RequestOutput]) -> None:

@@ -9,21 +9,15 @@ loading inside them: a model that is not loaded yet is reported as cold or loadi
 
 from __future__ import annotations
 
-import enum
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from mox.engine.sequence import Request, RequestOutput
+from mox.pager import PageInObserver
+from mox.served_model import ModelState
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
-
-
-class ModelState(str, enum.Enum):
-    COLD = "cold"          # registered, nothing on the device
-    LOADING = "loading"    # dense weights being read
-    WARM = "warm"          # serving
-    FAILED = "failed"      # could not be loaded; `ModelInfo.error` says why
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,6 @@ class ServingBackend(Protocol):
     def snapshot(self) -> dict: ...
 
 
-PageInObserver = Callable[[str, float], None]     # (model, seconds one expert read took)
 
 
 @runtime_checkable

@@ -263,3 +263,18 @@ def test_models_can_be_removed_and_added_while_serving(hf_checkpoints):
     router.add_request(Request("c1", "c", [3, 4], _params(2)))
     router.add_request(Request("b1", "b", [3, 4], _params(2)))
     _run(router, clock, _finished(["c1", "b1"]))
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_an_idle_router_has_nothing_due_now(hf_checkpoints, policy):
+    """A driver sleeps `seconds_until_due()`: it must not be 0 while idle (a busy loop)."""
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, policy=policy,
+                     device_memory=None if policy in ("all-resident", "model-swap") else 10**9)
+    router.add_request(Request("a1", "a", [3, 4], _params(2)))
+    _run(router, clock, _finished(["a1"]))
+    for _ in range(3):                                 # past the idle time, too
+        clock.now += 200.0
+        router.step()
+        due = router.seconds_until_due()
+        assert due is None or due > 0, (policy, due)

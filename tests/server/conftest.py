@@ -17,12 +17,13 @@ from collections.abc import AsyncGenerator, Callable
 
 import pytest
 
-from mox.engine.async_engine import AsyncEngine
 from mox.engine.sequence import FinishReason, Request, RequestOutput
 from mox.errors import AdmissionError, ModelNotFoundError, ModelUnavailableError
 from mox.router import Router, RouterConfig
+from mox.serve import RouterBackend
+from mox.served_model import ModelState
 from mox.server.app import create_app, start_server
-from mox.server.backend import ModelInfo, ModelState
+from mox.server.backend import ModelInfo
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
 
@@ -32,53 +33,12 @@ API_KEY = "sekret"
 WAIT_S = 15.0                                      # bound on every condition a test waits for
 
 
-class RouterBackend:
-    """The router behind AsyncEngine, as `mox serve` runs it, over demo checkpoints."""
-
-    def __init__(self, paths: dict[str, str]) -> None:
-        self.router = Router(paths, RouterConfig(kv_memory=KV_MEMORY))
-        for name in paths:
-            self.router.warm_up(name)
-        self.templates = {name: ChatTemplate.from_checkpoint(path)
-                          for name, path in paths.items()}
-        self.created = int(time.time())
-        self.async_engine = AsyncEngine(self.router)
-
-    @property
-    def engine(self):
-        return self.router.engine
-
-    def is_ready(self) -> bool:
-        return True
-
-    def models(self) -> list[ModelInfo]:
-        return [ModelInfo(name, ModelState(m.state.value), self.created, m.error)
-                for name, m in self.router.models.items()]
-
-    def _model(self, name: str):
-        model = self.router.models.get(name)
-        if model is None:
-            raise ModelNotFoundError(f"model {name!r} is not served")
-        if model.state.value == ModelState.FAILED:
-            raise ModelUnavailableError(f"model {name!r} failed to load: {model.error}")
-        return model
-
-    def tokenizer(self, model: str) -> Tokenizer | None:
-        return self._model(model).tokenizer
-
-    def chat_template(self, model: str) -> ChatTemplate:
-        self._model(model)
-        return self.templates[model]
-
-    def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
-        return self.async_engine.generate(request)
-
-    def snapshot(self) -> dict:
-        return self.router.snapshot()
-
-    def shutdown(self) -> None:
-        self.async_engine.shutdown()
-        self.router.shutdown()
+def live_backend(paths: dict[str, str]) -> RouterBackend:
+    """`mox serve`'s backend over demo checkpoints, warmed up."""
+    router = Router(paths, RouterConfig(kv_memory=KV_MEMORY))
+    for name in paths:
+        router.warm_up(name)
+    return RouterBackend(router)
 
 
 class FakeBackend:
@@ -180,7 +140,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> bool
 @pytest.fixture(scope="session")
 def router_backend(demo_home):
     paths = {name: os.path.join(demo_home, "models", name) for name in DEMO_MODELS}
-    backend = RouterBackend(paths)
+    backend = live_backend(paths)
     yield backend
     backend.shutdown()
 

@@ -54,7 +54,7 @@ def test_chat_completion_whole_and_streamed(client, router_backend):
     whole = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
     assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
-    rendered = router_backend.templates[MODEL].render(
+    rendered = router_backend.chat_template(MODEL).render(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
     assert whole.usage.prompt_tokens == len(router_backend.tokenizer(MODEL).encode(rendered))
     assert whole.usage.completion_tokens == 8

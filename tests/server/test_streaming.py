@@ -81,7 +81,7 @@ def _raw_request(port: int, body: dict) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_request_and_frees_its_kv(live, router_backend, stream):
-    engine = router_backend.engine
+    engine = router_backend.router.engine
     assert wait_until(lambda: engine.num_live == 0)
     kv_before = engine.kv_pool.used_bytes
     # long enough that it is certainly still running when the client leaves

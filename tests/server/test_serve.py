@@ -1,0 +1,126 @@
+"""`mox serve` as users run it: a subprocess on loopback over a registry, with a broken model
+beside good ones, registry changes picked up while running, an API key from the environment,
+and a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from mox.registry import Registry
+
+START_S = 60.0
+WAIT_S = 15.0
+KEY = "test-key"
+
+
+class Served:
+    def __init__(self, home: str) -> None:
+        env = {**os.environ, "MOX_API_KEY": KEY}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mox.cli", "serve", "--home", home, "--port", "0",
+             "--device-memory", "256MiB"],
+            stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = self._port()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def _port(self) -> int:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            line = self.lines.get(timeout=deadline - time.monotonic())
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                return int(found.group(1))
+        raise AssertionError("server did not start")
+
+    def request(self, path: str, body: dict | None = None, key: str | None = KEY):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def log(self) -> str:
+        lines = []
+        while not self.lines.empty():
+            lines.append(self.lines.get())
+        return "".join(lines)
+
+    def models(self) -> dict[str, dict]:
+        status, body = self.request("/v1/models")
+        assert status == 200
+        return {m["id"]: m for m in body["data"]}
+
+    def wait_for(self, predicate) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def home(tmp_path, demo_home):
+    registry = Registry(str(tmp_path))
+    for name in ("olmoe-demo", "mixtral-demo", "qwen3-moe-demo"):
+        source = os.path.join(demo_home, "models", name)
+        copy = os.path.join(str(tmp_path), "models", name)
+        shutil.copytree(source, copy)
+        registry.add(name, copy)
+    # registered while good, then damaged: the server must fail only this model
+    broken = os.path.join(str(tmp_path), "models", "mixtral-demo")
+    shard = sorted(f for f in os.listdir(broken) if f.endswith(".safetensors"))[0]
+    with open(os.path.join(broken, shard), "r+b") as f:
+        f.truncate(1000)
+    return str(tmp_path)
+
+
+def test_serve_end_to_end(home):
+    server = Served(home)
+    try:
+        assert server.request("/v1/models", key=None)[0] == 401
+        models = server.models()
+        assert models["mixtral-demo"]["state"] == "failed"
+        assert ".safetensors" in models["mixtral-demo"]["error"]
+        assert models["olmoe-demo"]["state"] == "cold"
+        body = {"model": "olmoe-demo", "prompt": "Hello", "max_tokens": 4}
+        status, out = server.request("/v1/completions", body)
+        assert status == 200 and out["usage"]["completion_tokens"] >= 1
+        assert server.models()["olmoe-demo"]["state"] == "warm"
+        status, out = server.request("/v1/completions", {**body, "model": "mixtral-demo"})
+        assert status == 503 and "safetensors" in out["error"]["message"]
+
+        Registry(home).remove("qwen3-moe-demo")            # the server follows the registry
+        server.wait_for(lambda: "qwen3-moe-demo" not in server.models())
+        Registry(home).add("again", os.path.join(home, "models", "qwen3-moe-demo"))
+        server.wait_for(lambda: "again" in server.models())
+        status, _ = server.request("/v1/completions", {**body, "model": "again"})
+        assert status == 200
+
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
