@@ -47,7 +47,11 @@ class RouterBackend:
         self.async_engine = AsyncEngine(router)
 
     def is_ready(self) -> bool:
-        return True
+        """Ready once the models the policy loads at start-up (all-resident) have landed;
+        other policies load on demand, so at once."""
+        if not self.router.policy.pins_models:
+            return True
+        return all(m.state != ModelState.LOADING for m in list(self.router.models.values()))
 
     def models(self) -> list[ModelInfo]:
         now = int(time.time())
