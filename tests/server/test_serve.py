@@ -27,27 +27,29 @@ KEY = "test-key"
 
 
 class Served:
+    """`mox serve` in a subprocess; its stderr goes to a file (the port is read from it)."""
+
     def __init__(self, home: str) -> None:
         env = {**os.environ, "MOX_API_KEY": KEY}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mox.cli", "serve", "--home", home, "--port", "0",
-             "--device-memory", "256MiB"],
-            stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.log_path = os.path.join(home, "serve.log")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mox.cli", "serve", "--home", home, "--port", "0",
+                 "--device-memory", "256MiB"], stderr=log, env=env)
         self.port = self._port()
 
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.put(line)
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8") as f:
+            return f.read()
 
     def _port(self) -> int:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
-            line = self.lines.get(timeout=deadline - time.monotonic())
-            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", self.log())
             if found:
                 return int(found.group(1))
+            assert self.proc.poll() is None, self.log()
+            time.sleep(0.2)
         raise AssertionError("server did not start")
 
     def request(self, path: str, body: dict | None = None, key: str | None = KEY):
@@ -61,12 +63,6 @@ class Served:
                 return resp.status, json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
-
-    def log(self) -> str:
-        lines = []
-        while not self.lines.empty():
-            lines.append(self.lines.get())
-        return "".join(lines)
 
     def models(self) -> dict[str, dict]:
         status, body = self.request("/v1/models")
@@ -118,9 +114,29 @@ def test_serve_end_to_end(home):
         status, _ = server.request("/v1/completions", {**body, "model": "again"})
         assert status == 200
 
+        chunks: queue.Queue = queue.Queue()
+        streaming = threading.Thread(target=_stream, args=(server, chunks), daemon=True)
+        streaming.start()
+        assert chunks.get(timeout=WAIT_S).startswith(b"data: ")     # in flight
         server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(timeout=30) == 0, server.log()
+        assert server.proc.wait(timeout=60) == 0, server.log()
+        streaming.join(timeout=WAIT_S)
+        assert not streaming.is_alive()                   # its stream ended: done or cut
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
 
+
+def _stream(server: Served, chunks: queue.Queue) -> None:
+    body = json.dumps({"model": "olmoe-demo", "prompt": "Hi", "max_tokens": 400,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body)
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
+            for line in resp:
+                if line.strip():
+                    chunks.put(line)
+    except OSError:
+        pass                                          # cut at the end of the grace period
