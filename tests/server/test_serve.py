@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from mox.registry import Registry
@@ -104,6 +105,13 @@ def test_serve_end_to_end(home):
         status, out = server.request("/v1/completions", body)
         assert status == 200 and out["usage"]["completion_tokens"] >= 1
         assert server.models()["olmoe-demo"]["state"] == "warm"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY,
+                               max_retries=0, timeout=WAIT_S)
+        assert {m.id for m in client.models.list()} >= {"olmoe-demo", "mixtral-demo"}
+        chat = client.chat.completions.create(
+            model="olmoe-demo", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+        assert 1 <= chat.usage.completion_tokens <= 3
+        assert chat.choices[0].finish_reason in ("stop", "length")
         status, out = server.request("/v1/completions", {**body, "model": "mixtral-demo"})
         assert status == 503 and "safetensors" in out["error"]["message"]
 
