@@ -47,7 +47,7 @@ class MemoryPolicy:
         return [m for m in self.router.models.values() if m.ckpt is not None]
 
     def expert_bytes(self, model: ServedModel, slots: int) -> int:
-        return slots * self.router.expert_slot_bytes(model.name)
+        return slots * self.router.residency.slot_bytes(model.name)
 
     def all_slots(self, model: ServedModel) -> int:
         return model.ckpt.spec.num_moe_layers * model.ckpt.spec.num_experts
@@ -100,7 +100,7 @@ class PlannedMemory(MemoryPolicy):
         demands = [ModelDemand(m.name, m.traffic.request_rate(now),
                                router.has_requests(m.name),
                                router.pager.usage(m.name).probabilities(now),
-                               router.expert_slot_bytes(m.name), m.ckpt.spec.top_k,
+                               router.residency.slot_bytes(m.name), m.ckpt.spec.top_k,
                                router.pager.pool(m.name).target_slots)
                    for m in holding]
         plan = plan_slots(demands, budget)
@@ -135,7 +135,7 @@ class EqualSplitMemory(MemoryPolicy):
         slots = {}
         for m in self.paged():
             full = self.all_slots(m)
-            fit = full if share is None else share // self.router.expert_slot_bytes(m.name)
+            fit = full if share is None else share // self.router.residency.slot_bytes(m.name)
             slots[m.name] = min(full, fit) if m.holds_device_memory else 0
         return slots
 

@@ -3,7 +3,8 @@ models' weights off the engine thread, and divides one device budget among the m
 
 Design note.
 - Device memory = dense weights of the models that hold them + every model's expert slots
-  (the KV pool has its own budget). `device_used_bytes() <= device_memory` after every call.
+  (the KV pool has its own budget). `residency.used_bytes() <= device_memory` after every
+  call; plans are applied through `mox.residency`.
 - A request for a cold model queues in the engine at once; the model's dense weights load
   on the loader thread (after parking idle models if room is short) while the other models
   keep stepping; the plan gives it experts at once and, while its rate rises, its most used
@@ -15,7 +16,7 @@ Design note.
 - Admission: per-model and global limits on waiting requests (AdmissionError, HTTP 429);
   a request still waiting after `queue_timeout_s` is aborted with RequestTimeoutError.
 The router is single-threaded like the engine it drives (the offline LLM's thread or
-AsyncEngine's loop); only the loader thread's results cross over, through `_landed`.
+AsyncEngine's loop); only the loader thread's results cross over (`WeightLoader`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,14 @@ from mox.models.experts import ModelExperts
 from mox.models.loading import prefetch_by_default
 from mox.pager import PageInObserver, make_pager
 from mox.rates import DecayedRate
-from mox.served_model import ModelState, ServedModel, load_weights, open_served, resolve_dtype
+from mox.residency import Residency
+from mox.served_model import (
+    ModelState,
+    ServedModel,
+    WeightLoader,
+    open_served,
+    resolve_dtype,
+)
 
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
 # Retry-After bounds: at least a second (HTTP's unit), at most a minute (beyond that the
@@ -97,10 +104,9 @@ class Router:
                              config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens))
         self.policy: MemoryPolicy = make_memory_policy(config.policy, self)
         self.models: dict[str, ServedModel] = {}
+        self.residency = Residency(self.pager, self.models, clock)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load")
-        self._landed: list[tuple[str, object]] = []     # (model, decoder or exception)
-        self._landed_lock = threading.Lock()
+        self._loader = WeightLoader(self.wake)
         self._requests: dict[str, _Tracked] = {}
         self._finishes = DecayedRate(10.0)
         self._next_plan = -math.inf
@@ -135,7 +141,7 @@ class Router:
         outputs = [out for rid in [r for r, t in self._requests.items() if t.model == name]
                    if (out := self.abort(rid, gone)) is not None]
         if model.state == ModelState.LOADING:
-            self._loader.submit(lambda: None).result()        # let its load land first
+            self._loader.drain()                              # let its load land first
             self._install_landed()
         if model.state == ModelState.WARM:
             self.park(model)
@@ -218,9 +224,7 @@ class Router:
     @property
     def has_work(self) -> bool:
         """Is a step useful now (a runnable batch, or loaded weights to install)?"""
-        with self._landed_lock:
-            landed = bool(self._landed)
-        return landed or self.engine.has_work
+        return self._loader.has_landed or self.engine.has_work
 
     def step(self) -> list[RequestOutput]:
         now = self.clock()
@@ -297,20 +301,10 @@ class Router:
         prefetch = (self.config.prefetch if self.config.prefetch is not None
                     else prefetch_by_default(self.device))
         experts = ModelExperts(self.pager, model.name, prefetch_enabled=prefetch)
-        future = self._loader.submit(load_weights, model, self.dtype, self.device, experts,
-                                     whole)
-        future.add_done_callback(lambda f, name=model.name: self._land(name, f))
-
-    def _land(self, name: str, future) -> None:
-        """On the loader thread: hand the result to the router's thread."""
-        result = future.exception() or future.result()
-        with self._landed_lock:
-            self._landed.append((name, result))
-        self.wake.set()
+        self._loader.start(model, self.dtype, self.device, experts, whole)
 
     def _install_landed(self) -> list[RequestOutput]:
-        with self._landed_lock:
-            landed, self._landed = self._landed, []
+        landed = self._loader.take_landed()
         outputs = []
         for name, result in landed:
             model = self.models[name]
@@ -342,59 +336,22 @@ class Router:
         assert model.state == ModelState.WARM and not self.has_requests(model.name)
         self.engine.set_weights(model.name, None)
         model.decoder, model.state = None, ModelState.COLD
-        self.set_expert_slots({model.name: 0})
+        self.residency.apply({model.name: 0})
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
         self._next_plan = self.clock() + self.config.plan_period_s
-        self.set_expert_slots(self.policy.plan_slots())
-        self._share_host_cache()
+        self.residency.apply(self.policy.plan_slots())
+        if self.policy.plans_host_cache:
+            self.residency.share_host_cache()
 
-    def _share_host_cache(self) -> None:
-        """Host cache quotas in proportion to request rates (with no traffic anywhere, no
-        quotas): a burst on one model cannot flush the RAM copies of the others."""
-        host = self.pager.loader.host_cache
-        if host is None or not self.policy.plans_host_cache:
-            return
-        now = self.clock()
-        rates = {n: m.traffic.request_rate(now) for n, m in self.models.items()
-                 if m.ckpt is not None}
-        total = sum(rates.values())
-        for name, rate in rates.items():
-            host.set_quota(name, None if total <= 0 else int(host.budget_bytes * rate / total))
-
-    def set_expert_slots(self, slots: dict[str, int]) -> None:
-        """Apply per-model slot counts: shrinks first (waiting out their in-flight loads, so
-        the memory is really free), then grows, then prefetch for models on the rise."""
-        pools = {name: self.pager.pool(name) for name in slots}
-        shrinking = [n for n in slots if slots[n] < pools[n].target_slots]
-        growing = [n for n in slots if slots[n] > pools[n].target_slots]
-        for name in shrinking:
-            self.pager.set_budget(name, slots[name] * pools[name].expert_nbytes)
-            if self.pager.allocated_bytes(name) > slots[name] * pools[name].expert_nbytes:
-                self.pager.wait_for_loads(name)
-        for name in growing:
-            before = pools[name].target_slots
-            self.pager.set_budget(name, slots[name] * pools[name].expert_nbytes)
-            model = self.models[name]
-            if model.traffic.is_rising(self.clock()) or before == 0:
-                self.pager.prefetch_popular(name, slots[name] - before)
-
-    def expert_slot_bytes(self, name: str) -> int:
-        return self.pager.pool(name).expert_nbytes
-
-    def device_used_bytes(self) -> int:
-        dense = sum(m.dense_nbytes for m in self.models.values() if m.holds_device_memory)
-        experts = sum(self.pager.allocated_bytes(name) for name, m in self.models.items()
-                      if m.ckpt is not None)
-        return dense + experts
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:
         """The plan and every model's traffic, state and pager figures (for metrics)."""
         now = self.clock()
         return {"policy": self.config.policy, "device_budget_bytes": self.config.device_memory,
-                "device_used_bytes": self.device_used_bytes(),
+                "device_used_bytes": self.residency.used_bytes(),
                 "models": {name: self._model_snapshot(m, now)
                            for name, m in list(self.models.items())}}
 
@@ -411,10 +368,10 @@ class Router:
             pager = self.pager.stats(model.name)
             out["planned_slots"] = pager["num_slots"]
             out["pager"] = pager
-        host = self.pager.loader.host_cache
-        if host is not None:
-            out["host_cache_bytes"] = host.used_by(model.name)
+        host_bytes = self.residency.host_cache_bytes(model.name)
+        if host_bytes is not None:
+            out["host_cache_bytes"] = host_bytes
         return out
 
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._loader.shutdown()

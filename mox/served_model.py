@@ -11,6 +11,8 @@ import enum
 import json
 import math
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +84,45 @@ def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
             for _ in experts.waves(moe_layer, range(model.ckpt.spec.num_experts)):
                 pass
     return decoder
+
+
+class WeightLoader:
+    """One loader thread: `start()` queues a model's `load_weights`; results wait in `landed`
+    for the router's thread to take (`take_landed`), and `wake` is set when one lands."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load")
+        self._landed: list[tuple[str, MoEDecoder | BaseException]] = []
+        self._lock = threading.Lock()
+
+    def start(self, model: ServedModel, dtype: torch.dtype, device: torch.device,
+              experts: ModelExperts, whole: bool) -> None:
+        future = self._pool.submit(load_weights, model, dtype, device, experts, whole)
+        future.add_done_callback(lambda f, name=model.name: self._land(name, f))
+
+    def _land(self, name: str, future: Future) -> None:
+        result = future.exception() or future.result()
+        with self._lock:
+            self._landed.append((name, result))
+        self.wake.set()
+
+    @property
+    def has_landed(self) -> bool:
+        with self._lock:
+            return bool(self._landed)
+
+    def take_landed(self) -> list[tuple[str, MoEDecoder | BaseException]]:
+        with self._lock:
+            landed, self._landed = self._landed, []
+        return landed
+
+    def drain(self) -> None:
+        """Wait until every queued load has run (its result is then in `landed`)."""
+        self._pool.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

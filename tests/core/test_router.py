@@ -35,7 +35,7 @@ def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, **config) -
     device budget of every dense weight plus `experts` experts."""
     path = hf_checkpoints["olmoe"][0]
     probe = Router({"probe": path}, RouterConfig(dtype="float32"))
-    dense, expert = probe.models["probe"].dense_nbytes, probe.expert_slot_bytes("probe")
+    dense, expert = probe.models["probe"].dense_nbytes, probe.residency.slot_bytes("probe")
     config = {"dtype": "float32", "kv_memory": 16 << 20, "plan_period_s": 1.0,
               "device_memory": len(names) * dense + experts * expert, **config}
     return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock())
@@ -50,7 +50,7 @@ def _step(router: Router, clock: FakeClock | None = None) -> list:
     outputs = router.step()
     budget = router.config.device_memory
     if budget is not None and router.config.policy != "all-resident":
-        assert router.device_used_bytes() <= budget
+        assert router.residency.used_bytes() <= budget
     if clock is not None:
         clock.now += STEP_S
     return outputs
@@ -154,12 +154,12 @@ def test_idle_models_are_parked(hf_checkpoints):
     router = _router(hf_checkpoints, clock=clock, dense_idle_s=30.0)
     router.add_request(Request("a1", "a", [3, 4], _params(3)))
     _run(router, clock, _finished(["a1"]))
-    used = router.device_used_bytes()
+    used = router.residency.used_bytes()
     assert router.models["a"].state == ModelState.WARM and used > 0
     clock.now += 31.0
     router.step()
     assert router.models["a"].state == ModelState.COLD
-    assert router.device_used_bytes() == 0
+    assert router.residency.used_bytes() == 0
     router.add_request(Request("a2", "a", [3, 4], _params(3)))       # and comes back
     _run(router, clock, _finished(["a2"]))
     assert router.models["a"].num_loads == 2
@@ -168,7 +168,7 @@ def test_idle_models_are_parked(hf_checkpoints):
 def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):
     clock = FakeClock()
     probe = _router(hf_checkpoints, names=("p",), experts=0)
-    whole = probe.models["p"].dense_nbytes + 16 * probe.expert_slot_bytes("p")
+    whole = probe.models["p"].dense_nbytes + 16 * probe.residency.slot_bytes("p")
     router = _router(hf_checkpoints, clock=clock, policy="model-swap", experts=0,
                      device_memory=whole + 1000)            # one whole model at a time
     for i, model in enumerate("abab"):
@@ -256,7 +256,7 @@ def test_models_can_be_removed_and_added_while_serving(hf_checkpoints):
     outputs = router.remove_model("a")
     assert [o.finish_reason for o in outputs] == [FinishReason.ABORT]
     assert isinstance(router.take_error("a2"), ModelNotFoundError)
-    assert "a" not in router.models and router.device_used_bytes() == 0
+    assert "a" not in router.models and router.residency.used_bytes() == 0
     with pytest.raises(ModelNotFoundError):
         router.add_request(Request("a3", "a", [3], _params(2)))
     router.add_model("c", hf_checkpoints["mixtral"][0])
