@@ -22,8 +22,11 @@ BACKENDS = ("auto", "torch", "triton")
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
               activation: str = "silu", backend: str = "auto",
-              workspace: MoEWorkspace | None = None) -> torch.Tensor:
-    """`workspace` (torch path only) keeps buffers across calls; pass one per caller."""
+              workspace: MoEWorkspace | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`workspace` (torch path only) keeps buffers across calls; pass one per caller.
+    `out_dtype` (default x's): float32 returns the sum before rounding (the torch path; the
+    Triton path rounds to x's dtype in its epilogue, then converts)."""
     num_tokens, hidden = x.shape
     num_slots, two_inter, _ = w13.shape
     assert w13.shape == (num_slots, two_inter, hidden), w13.shape
@@ -36,8 +39,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
     if backend == "triton" or (backend == "auto" and x.is_cuda):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of)
-    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, workspace)
+        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of)
+        return out if out_dtype is None else out.to(out_dtype)
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, workspace, out_dtype)
 
 
 __all__ = ["NOT_RESIDENT", "MoEKernelConfig", "MoEWorkspace", "fused_moe", "fused_moe_torch",

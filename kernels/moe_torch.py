@@ -51,9 +51,14 @@ def _has_grouped_mm(x: torch.Tensor) -> bool:
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
-                    workspace: MoEWorkspace | None = None) -> torch.Tensor:
+                    workspace: MoEWorkspace | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`out_dtype` (default x's): float32 keeps the fp32 sum unrounded, for a caller that
+    adds several calls (waves) and must round once to get the same result as one call."""
+    out_dtype = out_dtype or x.dtype
     if topk_ids.shape[0] == 1:
-        return _one_token(x, w13, w2, topk_weights, slot_of[topk_ids[0].long()].tolist())
+        return _one_token(x, w13, w2, topk_weights,
+                          slot_of[topk_ids[0].long()].tolist()).to(out_dtype)
     ws = workspace or MoEWorkspace()
     num_tokens, k = topk_ids.shape
     num_slots, hidden, inter = w2.shape
@@ -80,12 +85,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     torch.mul(down, topk_weights.reshape(-1)[order, None], out=contrib)
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, contrib)
-    return out.to(x.dtype)
+    return out.to(out_dtype)
 
 
 def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """Decode of one sequence: k matrix-vector products, none of the sorting machinery."""
+    """Decode of one sequence: k matrix-vector products, none of the sorting machinery;
+    `[1, H]` float32."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)      # [H]
     for slot, weight in zip(slots, topk_weights[0].tolist()):
@@ -94,7 +100,7 @@ def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         gate_up = torch.mv(w13[slot], x[0])                                  # [2I]
         act = F.silu(gate_up[:inter]) * gate_up[inter:]                      # [I]
         out.add_(torch.mv(w2[slot], act).float(), alpha=weight)
-    return out.to(x.dtype)[None]                                             # [1, H]
+    return out[None]                                                         # [1, H]
 
 
 def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

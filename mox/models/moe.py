@@ -39,9 +39,11 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
     topk_weights, topk_ids = route(spec, w.router, x)                     # [T, k]
     out = None
     for lease in experts.waves(w.moe_layer, topk_ids.unique().tolist()):
+        # fp32 across waves, rounded once: the result does not depend on how many waves
+        # residency split the step into (greedy output is the same cold or warm)
         part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
-                         backend="auto", workspace=experts.workspace)
-        out = part.float() if out is None else out + part                 # f32 across waves
+                         backend="auto", workspace=experts.workspace, out_dtype=torch.float32)
+        out = part if out is None else out.add_(part)
     out = out.to(x.dtype)
     if w.shared_expert is not None:
         gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))          # [T, 1]
