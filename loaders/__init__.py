@@ -2,9 +2,10 @@
 Imported as `mox.loaders`; depends on nothing else in mox."""
 
 from .checkpoint import INDEX_FILE, Checkpoint, ExpertTensors
+from .config import load_spec, parse_config
 from .errors import CheckpointError, MoxError
 from .safetensors_format import TensorInfo, read_header
-from .spec import ExpertNaming, ModelSpec, load_spec, parse_config
+from .spec import ExpertNaming, ModelSpec
 
 __all__ = [
     "INDEX_FILE", "Checkpoint", "CheckpointError", "ExpertNaming", "ExpertTensors",

@@ -8,10 +8,11 @@ import json
 import os
 from dataclasses import dataclass
 
+from .config import load_spec
 from .errors import CheckpointError
 from .layout import expected_tensors, expert_tensors
 from .safetensors_format import TensorInfo, read_header
-from .spec import ModelSpec, load_spec
+from .spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -25,8 +26,12 @@ class ExpertTensors:
     down: TensorInfo
 
     @property
+    def infos(self) -> tuple[TensorInfo, ...]:
+        return (self.gate, self.up, self.down)
+
+    @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return sum(info.nbytes for info in self.infos)
 
 
 class Checkpoint:
@@ -65,6 +70,14 @@ class Checkpoint:
         """Bytes of one expert as stored (every expert of a model has the same shape)."""
         return next(iter(self.experts.values())).nbytes if self.experts else 0
 
+    def dense_tensors(self) -> list[TensorInfo]:
+        """Every non-expert tensor the model reads, in file order. Extra tensors (DeepSeek's
+        and GLM's multi-token-prediction layers) stay on disk."""
+        expert_names = {info.name for t in self.experts.values() for info in t.infos}
+        names = [n for n in expected_tensors(self.spec) if n not in expert_names]
+        if self.spec.tie_word_embeddings and self.has("lm_head.weight"):
+            names.append("lm_head.weight")
+        return sorted((self.tensors[n] for n in names), key=lambda i: (i.file, i.offset))
 
 
 def _index_tensors(path: str) -> dict[str, TensorInfo]:

@@ -64,12 +64,22 @@ def _attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
 
 
 def _moe(spec: ModelSpec, layer: int) -> dict[str, Shape]:
-    shapes: dict[str, Shape] = {spec.naming.router(layer): (spec.num_experts, spec.hidden_size)}
+    shapes = router_tensors(spec, layer)
     for expert in range(spec.num_experts):
         shapes.update(expert_tensors(spec, layer, expert))
     if spec.has_shared_expert:
-        prefix = f"model.layers.{layer}.mlp"
-        shapes.update(mlp_tensors(f"{prefix}.shared_expert", spec.hidden_size,
+        shapes.update(mlp_tensors(spec.naming.shared_expert_prefix(layer), spec.hidden_size,
                                   spec.shared_expert_intermediate_size))
-        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, spec.hidden_size)
+        if spec.shared_expert_gated:
+            shapes[f"model.layers.{layer}.mlp.shared_expert_gate.weight"] = (1, spec.hidden_size)
+    return shapes
+
+
+def router_tensors(spec: ModelSpec, layer: int) -> dict[str, Shape]:
+    prefix = spec.naming.router_prefix(layer)
+    shapes: dict[str, Shape] = {f"{prefix}.weight": (spec.num_experts, spec.hidden_size)}
+    if spec.router.correction_bias:
+        shapes[f"{prefix}.e_score_correction_bias"] = (spec.num_experts,)
+    if spec.router.bias:
+        shapes[f"{prefix}.bias"] = (spec.num_experts,)
     return shapes

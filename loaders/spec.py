@@ -1,21 +1,29 @@
-"""`config.json` -> `ModelSpec`: one normalized description of every supported MoE decoder.
+"""`ModelSpec`: one normalized description of every supported MoE decoder.
 
 Each architecture names the same ideas differently (`num_local_experts` vs `num_experts`,
-`qkv_bias` vs `attention_bias`, ...). The parsers below translate them once, so the model code
-branches on features (`qk_norm`, `has_shared_expert`), never on `model_type`.
+`qkv_bias` vs `attention_bias`, ...). The parsers (`loaders.config`) translate them once, so
+the model code branches on features (`qk_norm`, `has_shared_expert`, `mla`), never on
+`model_type`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from .errors import CheckpointError
+from .rope import RopeSpec
 
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
+# How a router turns logits into (weights, experts); see `mox.kernels.routing`.
+ROUTING_SOFTMAX = "softmax"                  # softmax over all E, top-k (Mixtral, Qwen, OLMoE)
+ROUTING_SOFTMAX_GROUPED = "softmax_grouped"  # DeepSeek-V2 group_limited_greedy
+ROUTING_SIGMOID_GROUPED = "sigmoid_grouped"  # DeepSeek-V3, GLM4-MoE (noaux_tc)
+ROUTING_TOPK_SOFTMAX = "topk_softmax"        # GPT-OSS: top-k logits, softmax over those k
+# The expert activation, as `mox.kernels.fused_moe` names it.
+ACTIVATION_SILU, ACTIVATION_CLAMPED_SWIGLU = "silu", "clamped_swiglu"
+# How a checkpoint stores its experts.
+EXPERTS_SEPARATE = "separate"    # one tensor per expert and projection
+EXPERTS_FUSED = "fused"          # GPT-OSS: `[E, ...]` tensors, gate/up interleaved, biases
+EXPERTS_MXFP4 = "mxfp4"          # GPT-OSS as published: fused, MXFP4 `*_blocks` + `*_scales`
 
 
 @dataclass(frozen=True)
@@ -26,16 +34,59 @@ class ExpertNaming:
     gate: str                       # "w1" or "gate_proj"
     up: str                         # "w3" or "up_proj"
     down: str                       # "w2" or "down_proj"
+    shared_expert: str = "shared_expert"   # "shared_experts" (DeepSeek, GLM4-MoE)
+    router_module: str = "gate"            # "router" (GPT-OSS)
 
     def expert_prefix(self, layer: int, expert: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}.experts.{expert}"
 
+    def fused_experts(self, layer: int) -> str:
+        """Prefix of a fused checkpoint's `[E, ...]` expert tensors (GPT-OSS)."""
+        return f"model.layers.{layer}.{self.moe_module}.experts"
+
+    def router_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.moe_module}.{self.router_module}"
+
     def router(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.moe_module}.gate.weight"
+        return f"{self.router_prefix(layer)}.weight"
+
+    def shared_expert_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.moe_module}.{self.shared_expert}"
 
 
 MIXTRAL_NAMING = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")
 MLP_NAMING = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
+DEEPSEEK_NAMING = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj", "shared_experts")
+GPT_OSS_NAMING = ExpertNaming("mlp", "gate_up_proj", "gate_up_proj", "down_proj",
+                              router_module="router")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    scoring: str = ROUTING_SOFTMAX
+    n_group: int = 1                     # grouped routing: expert groups ...
+    topk_group: int = 1                  # ... of which each token may use this many
+    routed_scaling_factor: float = 1.0   # multiplies the routing weights
+    correction_bias: bool = False        # `e_score_correction_bias` steers only the choice
+    bias: bool = False                   # the router linear has a bias (GPT-OSS)
+    fp32: bool = False                   # logits from fp32 weights and input (DeepSeek, GLM)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek's multi-head latent attention. The KV cache holds, per token, the normalized
+    latent `[kv_lora_rank]` and the rotated shared key `[qk_rope_head_dim]`."""
+
+    q_lora_rank: int | None          # None: one `q_proj` (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -48,7 +99,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeSpec
     max_position_embeddings: int
     tie_word_embeddings: bool
     # attention features
@@ -68,6 +119,15 @@ class ModelSpec:
     naming: ExpertNaming
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    router: RouterSpec = RouterSpec()
+    shared_expert_gated: bool = True       # qwen2_moe's sigmoid gate; ungated: DeepSeek, GLM
+    expert_storage: str = EXPERTS_SEPARATE
+    expert_bias: bool = False              # per-expert gate_up and down biases (GPT-OSS)
+    activation: str = ACTIVATION_SILU
+    swiglu_alpha: float = 1.702            # ACTIVATION_CLAMPED_SWIGLU's parameters
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False          # a learned per-head logit in every softmax
+    mla: MLASpec | None = None             # multi-head latent attention instead of GQA
 
     @property
     def num_moe_layers(self) -> int:
@@ -76,138 +136,3 @@ class ModelSpec:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
-
-
-def load_spec(checkpoint_dir: str) -> ModelSpec:
-    path = os.path.join(checkpoint_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(path, "missing config.json: not a Hugging Face checkpoint folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, f"unreadable config.json: {e}") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(path, "config.json is not a JSON object")
-    return parse_config(config, path)
-
-
-def parse_config(config: dict[str, Any], path: str = "config.json") -> ModelSpec:
-    model_type = config.get("model_type")
-    parser = _PARSERS.get(model_type)
-    if parser is None:
-        raise CheckpointError(path, f"unsupported model_type {model_type!r}; supported: "
-                              f"{', '.join(sorted(_PARSERS))}")
-    try:
-        return parser(config, path)
-    except KeyError as e:
-        raise CheckpointError(path, f"config.json lacks required field {e.args[0]!r}") from e
-
-
-def _common(config: dict[str, Any], path: str) -> dict[str, Any]:
-    if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(path, f"unsupported hidden_act {config['hidden_act']!r}")
-    num_heads = config["num_attention_heads"]
-    num_layers = config["num_hidden_layers"]
-    eos = config.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    return dict(
-        model_type=config["model_type"],
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(config, path),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        clip_qkv=config.get("clip_qkv"),
-        sliding_windows=_sliding_windows(config, num_layers),
-        top_k=config["num_experts_per_tok"],
-        eos_token_ids=eos_ids,
-        bos_token_id=config.get("bos_token_id"),
-    )
-
-
-def _rope_theta(config: dict[str, Any], path: str) -> float:
-    # transformers 5 writes `rope_parameters`; published checkpoints have `rope_theta` and
-    # an optional `rope_scaling`.
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(path, f"unsupported rope_scaling type {kind!r} (only plain "
-                              "RoPE with rope_theta is supported)")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
-def _sliding_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if layer_types:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if config.get("use_sliding_window") is False or not window:
-        return (None,) * num_layers
-    first = config.get("max_window_layers", 0) if "use_sliding_window" in config else 0
-    return tuple(window if i >= first else None for i in range(num_layers))
-
-
-def _mixtral(config: dict[str, Any], path: str) -> ModelSpec:
-    num_layers = config["num_hidden_layers"]
-    return ModelSpec(
-        **_common(config, path), qkv_bias=False, o_bias=False, qk_norm=QK_NORM_NONE,
-        num_experts=config["num_local_experts"],
-        moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True,
-        moe_layers=(True,) * num_layers, dense_intermediate_size=config["intermediate_size"],
-        shared_expert_intermediate_size=0, naming=MIXTRAL_NAMING)
-
-
-def _qwen_moe_layers(config: dict[str, Any]) -> tuple[bool, ...]:
-    step = config.get("decoder_sparse_step", 1)
-    mlp_only = set(config.get("mlp_only_layers") or ())
-    num_experts = config.get("num_experts", config.get("num_local_experts", 0))
-    return tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
-                 for i in range(config["num_hidden_layers"]))
-
-
-def _qwen2_moe(config: dict[str, Any], path: str) -> ModelSpec:
-    return ModelSpec(
-        **_common(config, path), qkv_bias=config.get("qkv_bias", True), o_bias=False,
-        qk_norm=QK_NORM_NONE,
-        num_experts=config.get("num_experts", config.get("num_local_experts")),
-        moe_intermediate_size=config["moe_intermediate_size"],
-        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=_qwen_moe_layers(config),
-        dense_intermediate_size=config["intermediate_size"],
-        shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0),
-        naming=MLP_NAMING)
-
-
-def _qwen3_moe(config: dict[str, Any], path: str) -> ModelSpec:
-    bias = config.get("attention_bias", False)
-    return ModelSpec(
-        **_common(config, path), qkv_bias=bias, o_bias=bias, qk_norm=QK_NORM_PER_HEAD,
-        num_experts=config.get("num_experts", config.get("num_local_experts")),
-        moe_intermediate_size=config["moe_intermediate_size"],
-        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=_qwen_moe_layers(config),
-        dense_intermediate_size=config["intermediate_size"],
-        shared_expert_intermediate_size=0, naming=MLP_NAMING)
-
-
-def _olmoe(config: dict[str, Any], path: str) -> ModelSpec:
-    bias = config.get("attention_bias", False)
-    num_layers = config["num_hidden_layers"]
-    return ModelSpec(
-        **_common(config, path), qkv_bias=bias, o_bias=bias, qk_norm=QK_NORM_FULL,
-        num_experts=config["num_experts"], moe_intermediate_size=config["intermediate_size"],
-        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=(True,) * num_layers,
-        dense_intermediate_size=config["intermediate_size"],
-        shared_expert_intermediate_size=0, naming=MLP_NAMING)
-
-
-_PARSERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen2_moe,
-    "qwen3_moe": _qwen3_moe,
-    "olmoe": _olmoe,
-}

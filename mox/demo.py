@@ -25,7 +25,7 @@ from mox.loaders.layout import expected_tensors
 from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
-DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 PRESETS = ("demo", "mid", "bench")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
@@ -39,6 +39,9 @@ MAX_SCALED_FREQUENCY = 0.45
 # Copies of one architecture (`copies=`) differ by seed; a stride far above the architecture
 # index keeps every (architecture, copy) seed distinct.
 COPY_SEED_STRIDE = 1000
+# Sigmoid routers' load-balancing bias: small against the ~0.2 spread of sigmoid scores, so
+# a skewed router's popularity stays as calibrated.
+CORRECTION_BIAS_SCALE = 0.01
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ DEMO_SIZES = {
     "qwen2_moe": Size(256, 4, 8, 4, 32, experts=16, top_k=4, moe_intermediate=128),
     "qwen3_moe": Size(256, 4, 8, 4, 64, experts=32, top_k=4, moe_intermediate=128),
     "olmoe": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
+    "glm4_moe": Size(256, 4, 8, 4, 32, experts=32, top_k=4, moe_intermediate=128),
 }
 # Realistic proportions: ~1.6 GB of experts and ~0.2 GB of dense weights in bf16.
 BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
@@ -101,6 +105,13 @@ def hf_config(arch: str, size: Size, vocab: int) -> dict:
         return {**common, "architectures": ["OlmoeForCausalLM"], "num_experts": size.experts,
                 "intermediate_size": size.moe_intermediate, "norm_topk_prob": False,
                 "clip_qkv": None, "attention_bias": False}
+    if arch == "glm4_moe":      # GLM-4.5's flavour: one dense layer, a shared expert
+        return {**common, "architectures": ["Glm4MoeForCausalLM"], "head_dim": size.head_dim,
+                "n_routed_experts": size.experts, "moe_intermediate_size": size.moe_intermediate,
+                "intermediate_size": 4 * size.moe_intermediate, "n_shared_experts": 1,
+                "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+                "attention_bias": True, "partial_rotary_factor": 0.5}
     qwen = {**common, "num_experts": size.experts, "moe_intermediate_size": size.moe_intermediate,
             "intermediate_size": 4 * size.moe_intermediate, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "use_sliding_window": False, "head_dim": size.head_dim}
@@ -165,6 +176,8 @@ class _Weights:
             return 1.0 + 0.1 * torch.randn(shape, generator=gen)
         if name.endswith(".bias"):
             return 0.1 * torch.randn(shape, generator=gen)
+        if name.endswith("e_score_correction_bias"):    # small: keeps the Zipf calibration
+            return CORRECTION_BIAS_SCALE * torch.randn(shape, generator=gen)
         if name == "model.embed_tokens.weight":
             return torch.randn(shape, generator=gen)
         weight = torch.randn(shape, generator=gen) / shape[-1] ** 0.5

@@ -68,9 +68,7 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
 
 
 def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
-    expert_names = {info.name for t in ckpt.experts.values() for info in (t.gate, t.up, t.down)}
-    return sum(math.prod(info.shape) * dtype.itemsize
-               for info in ckpt.tensors.values() if info.name not in expert_names)
+    return sum(math.prod(info.shape) * dtype.itemsize for info in ckpt.dense_tensors())
 
 
 def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,

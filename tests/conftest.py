@@ -29,7 +29,16 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=16, head_dim=16,
                                     norm_topk_prob=True, tie_word_embeddings=True)),
     "olmoe": ("olmoe", dict(num_experts=8, clip_qkv=3.0, norm_topk_prob=False)),
+    # sigmoid grouped routing with a correction bias, a dense first layer, shared experts,
+    # partial rotary, per-head q/k norm
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, moe_intermediate_size=16, n_group=2,
+                                  topk_group=1, first_k_dense_replace=1, num_hidden_layers=3,
+                                  head_dim=16, use_qk_norm=True, attention_bias=True,
+                                  routed_scaling_factor=2.5, partial_rotary_factor=0.5)),
 }
+# Tensors transformers initializes to constants (zeros): random in the tests, so they count.
+RANDOMIZED_SUFFIXES = ("e_score_correction_bias",)
+RANDOMIZED_SCALE = 0.1
 
 
 def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
@@ -42,6 +51,10 @@ def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
     config.eos_token_id = None
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(RANDOMIZED_SUFFIXES):
+                tensor.copy_(RANDOMIZED_SCALE * torch.randn(tensor.shape))
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     return model

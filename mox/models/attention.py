@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from mox.loaders.spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
 from mox.models.forward_batch import ForwardBatch
-from mox.models.layers import Rotary, rms_norm
+from mox.models.layers import rms_norm
+from mox.models.rotary import Rotary
 
 
 @dataclass

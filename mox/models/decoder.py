@@ -16,8 +16,9 @@ from mox.models.experts import ModelExperts
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
-from mox.models.layers import MLPWeights, Rotary, rms_norm
+from mox.models.layers import MLPWeights, rms_norm
 from mox.models.moe import MoEWeights, moe_block, route
+from mox.models.rotary import Rotary
 
 
 def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -44,7 +45,7 @@ class MoEDecoder:
         self.final_norm = final_norm          # [H]
         self.lm_head = lm_head                # [V, H] (the embedding itself when tied)
         self.experts = experts
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, embed.device)
+        self.rotary = Rotary(spec.rope, embed.device)
         moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEWeights)]
         # each MoE block's successor, whose router predicts what to prefetch
         self.next_moe = {a.moe_layer: b for a, b in zip(moe, moe[1:])}
@@ -94,6 +95,6 @@ class MoEDecoder:
         computes."""
         following = self.next_moe.get(current.moe_layer)
         if following is not None and self.experts.prefetch_enabled:
-            _, ids = route(self.spec, following.router, h)
+            _, ids = route(self.spec, following, h)
             self.experts.prefetch(following.moe_layer, ids.unique().tolist(),
                                   current_layer=current.moe_layer)

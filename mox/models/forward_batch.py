@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mox.models.kv_store import KVStore
-from mox.models.layers import Rotary
+from mox.models.rotary import Rotary
 
 
 @dataclass

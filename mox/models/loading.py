@@ -50,10 +50,7 @@ class _DenseReader:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  reader: StreamingReader) -> None:
         self.dtype, self.device = dtype, device
-        expert_names = {info.name for t in ckpt.experts.values()
-                        for info in (t.gate, t.up, t.down)}
-        infos = sorted((i for i in ckpt.tensors.values() if i.name not in expert_names),
-                       key=lambda i: (i.file, i.offset))
+        infos = ckpt.dense_tensors()
         pin = device.type == "cuda"
         self._host = {i.name: torch.empty(i.shape, dtype=i.dtype, pin_memory=pin)
                       for i in infos}
@@ -63,8 +60,9 @@ class _DenseReader:
         for future in futures:
             future.result()
 
-    def __call__(self, name: str) -> torch.Tensor:
-        return self._host[name].to(device=self.device, dtype=self.dtype)
+    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in the serving dtype, or in `dtype` (routers kept in fp32)."""
+        return self._host[name].to(device=self.device, dtype=dtype or self.dtype)
 
 
 def _groups(infos: list[TensorInfo], count: int) -> list[list[TensorInfo]]:
@@ -131,10 +129,15 @@ def _mlp_weights(read: _DenseReader, prefix: str) -> MLPWeights:
 
 
 def _moe_weights(spec: ModelSpec, read: _DenseReader, layer: int, moe_layer: int) -> MoEWeights:
-    w = MoEWeights(router=read(spec.naming.router(layer)),
-                   moe_layer=moe_layer)
+    router_dtype = torch.float32 if spec.router.fp32 else None
+    prefix = spec.naming.router_prefix(layer)
+    w = MoEWeights(router=read(f"{prefix}.weight", router_dtype), moe_layer=moe_layer)
+    if spec.router.bias:
+        w.router_bias = read(f"{prefix}.bias", router_dtype)
+    if spec.router.correction_bias:
+        w.correction_bias = read(f"{prefix}.e_score_correction_bias", torch.float32)
     if spec.has_shared_expert:
-        prefix = f"model.layers.{layer}.mlp"
-        w.shared_expert = _mlp_weights(read, f"{prefix}.shared_expert")
-        w.shared_expert_gate = read(f"{prefix}.shared_expert_gate.weight")
+        w.shared_expert = _mlp_weights(read, spec.naming.shared_expert_prefix(layer))
+        if spec.shared_expert_gated:
+            w.shared_expert_gate = read(f"model.layers.{layer}.mlp.shared_expert_gate.weight")
     return w

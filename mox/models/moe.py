@@ -1,5 +1,5 @@
 """The MoE block: router -> top-k -> fused grouped GEMM over the slot pool, plus the optional
-sigmoid-gated shared expert (qwen2_moe).
+shared expert (sigmoid-gated in qwen2_moe, plainly added in DeepSeek and GLM4-MoE).
 
 Legend: T tokens, H hidden, E experts, k experts per token.
 """
@@ -11,24 +11,39 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mox.kernels import fused_moe, softmax_topk
-from mox.loaders.spec import ModelSpec
+from mox.kernels import fused_moe, sigmoid_grouped_topk, softmax_topk
+from mox.loaders.spec import ROUTING_SIGMOID_GROUPED, ROUTING_SOFTMAX, ModelSpec
 from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 
 
 @dataclass
 class MoEWeights:
-    router: torch.Tensor                          # [E, H]
+    router: torch.Tensor                          # [E, H] (f32 where `spec.router.fp32`)
     moe_layer: int                                # row of this layer in the pool's slot map
+    router_bias: torch.Tensor | None = None       # [E]
+    correction_bias: torch.Tensor | None = None   # [E] f32: steers the choice only
     shared_expert: MLPWeights | None = None
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
 
 
-def route(spec: ModelSpec, router: torch.Tensor,
+def route(spec: ModelSpec, w: MoEWeights,
           x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, H]` -> top-k weights `[T, k]` f32 and expert ids `[T, k]` int32."""
-    return softmax_topk(F.linear(x, router), spec.top_k, spec.norm_topk_prob)
+    router = spec.router
+    if router.fp32:
+        logits = F.linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
+    else:
+        logits = F.linear(x, w.router, w.router_bias)
+    if router.scoring == ROUTING_SIGMOID_GROUPED:
+        return sigmoid_grouped_topk(logits, spec.top_k, w.correction_bias, router.n_group,
+                                    router.topk_group, spec.norm_topk_prob,
+                                    router.routed_scaling_factor)
+    assert router.scoring == ROUTING_SOFTMAX, router.scoring
+    weights, ids = softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
+    if router.routed_scaling_factor != 1.0:
+        weights = weights * router.routed_scaling_factor
+    return weights, ids
 
 
 def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
@@ -36,7 +51,7 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
     """x `[T, H]` -> `[T, H]`. Experts come in waves from the pager: the resident ones first
     (computed while misses load), then the rest as they arrive; each wave's slot map holds
     only its experts, so every (token, expert) pair is computed exactly once."""
-    topk_weights, topk_ids = route(spec, w.router, x)                     # [T, k]
+    topk_weights, topk_ids = route(spec, w, x)                            # [T, k]
     out = None
     for lease in experts.waves(w.moe_layer, topk_ids.unique().tolist()):
         # fp32 across waves, rounded once: the result does not depend on how many waves
@@ -45,7 +60,9 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
                          backend="auto", workspace=experts.workspace, out_dtype=torch.float32)
         out = part if out is None else out.add_(part)
     out = out.to(x.dtype)
-    if w.shared_expert is not None:
-        gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))          # [T, 1]
-        out = out + gate * w.shared_expert(x)
-    return out
+    if w.shared_expert is None:
+        return out
+    if w.shared_expert_gate is None:
+        return out + w.shared_expert(x)
+    gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))              # [T, 1]
+    return out + gate * w.shared_expert(x)

@@ -72,8 +72,8 @@ def test_unknown_model_type(checkpoint_copy):
 
 def test_unsupported_rope_scaling(checkpoint_copy):
     _edit_config(checkpoint_copy, rope_parameters=None,
-                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(CheckpointError, match="unsupported rope_scaling type 'yarn'"):
+                 rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="unsupported rope_scaling type 'dynamic'"):
         Checkpoint(str(checkpoint_copy))
 
 
@@ -142,4 +142,25 @@ def test_corrupt_index(tmp_path):
 def test_no_weights_at_all(checkpoint_copy):
     os.remove(checkpoint_copy / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        Checkpoint(str(checkpoint_copy))
+
+
+def test_extra_layers_stay_on_disk(hf_checkpoints, tmp_path):
+    """Published GLM4-MoE and DeepSeek-V3 carry a multi-token-prediction layer past
+    num_hidden_layers: the checkpoint opens, and the dense reader leaves it alone."""
+    dst = tmp_path / "glm4_moe"
+    shutil.copytree(hf_checkpoints["glm4_moe"][0], dst)
+    extra = {"model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(16, 32),
+             "model.layers.3.eh_proj.weight": torch.zeros(32, 64)}
+    save_file(extra, str(dst / "model-mtp.safetensors"))
+    ckpt = Checkpoint(str(dst))
+    assert set(extra) <= set(ckpt.tensors)
+    dense = {info.name for info in ckpt.dense_tensors()}
+    assert not dense & set(extra) and "model.layers.0.mlp.gate_proj.weight" in dense
+    assert all(layer < 3 for layer, _ in ckpt.experts)
+
+
+def test_quantized_checkpoint_is_refused(checkpoint_copy):
+    _edit_config(checkpoint_copy, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(CheckpointError, match="quant_method 'fp8'.*not supported"):
         Checkpoint(str(checkpoint_copy))

@@ -1,0 +1,206 @@
+"""`config.json` -> `ModelSpec`, one parser per `model_type`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CheckpointError
+from .rope import parse_rope
+from .spec import (
+    DEEPSEEK_NAMING,
+    MIXTRAL_NAMING,
+    MLP_NAMING,
+    QK_NORM_FULL,
+    QK_NORM_NONE,
+    QK_NORM_PER_HEAD,
+    ROUTING_SIGMOID_GROUPED,
+    ModelSpec,
+    RouterSpec,
+)
+
+# GLM4-MoE configs written before transformers moved it into `rope_parameters` rotate half of
+# each head; transformers assumes 0.5 when the field is absent, and so do we.
+GLM4_MOE_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+def load_spec(checkpoint_dir: str) -> ModelSpec:
+    path = os.path.join(checkpoint_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(path, "missing config.json: not a Hugging Face checkpoint folder")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"unreadable config.json: {e}") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(path, "config.json is not a JSON object")
+    return parse_config(config, path)
+
+
+def parse_config(config: dict[str, Any], path: str = "config.json") -> ModelSpec:
+    model_type = config.get("model_type")
+    parser = _PARSERS.get(model_type)
+    if parser is None:
+        raise CheckpointError(path, f"unsupported model_type {model_type!r}; supported: "
+                              f"{', '.join(sorted(_PARSERS))}")
+    try:
+        return parser(config, path)
+    except KeyError as e:
+        raise CheckpointError(path, f"config.json lacks required field {e.args[0]!r}") from e
+
+
+def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = ()
+            ) -> dict[str, Any]:
+    """Fields every architecture names alike. `quantizations`: the `quant_method`s this
+    architecture's parser handles; any other quantized checkpoint is refused here."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(path, f"unsupported hidden_act {config['hidden_act']!r}")
+    method = quantization_method(config)
+    if method is not None and method not in quantizations:
+        raise CheckpointError(path, f"quantized checkpoint (quant_method {method!r}) is not "
+                              "supported for this architecture; use a bf16 or fp32 checkpoint")
+    num_heads = config["num_attention_heads"]
+    num_layers = config["num_hidden_layers"]
+    eos = config.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return dict(
+        model_type=config["model_type"],
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        clip_qkv=config.get("clip_qkv"),
+        sliding_windows=_sliding_windows(config, num_layers),
+        top_k=config["num_experts_per_tok"],
+        eos_token_ids=eos_ids,
+        bos_token_id=config.get("bos_token_id"),
+    )
+
+
+def quantization_method(config: dict[str, Any]) -> str | None:
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    return str(quantization.get("quant_method", "unknown"))
+
+
+def _sliding_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if config.get("use_sliding_window") is False or not window:
+        return (None,) * num_layers
+    first = config.get("max_window_layers", 0) if "use_sliding_window" in config else 0
+    return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def _mixtral(config: dict[str, Any], path: str) -> ModelSpec:
+    num_layers = config["num_hidden_layers"]
+    common = _common(config, path)
+    return ModelSpec(
+        **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=False,
+        o_bias=False, qk_norm=QK_NORM_NONE, num_experts=config["num_local_experts"],
+        moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True,
+        moe_layers=(True,) * num_layers, dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=0, naming=MIXTRAL_NAMING)
+
+
+def _qwen_moe_layers(config: dict[str, Any]) -> tuple[bool, ...]:
+    step = config.get("decoder_sparse_step", 1)
+    mlp_only = set(config.get("mlp_only_layers") or ())
+    num_experts = config.get("num_experts", config.get("num_local_experts", 0))
+    return tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+                 for i in range(config["num_hidden_layers"]))
+
+
+def _qwen2_moe(config: dict[str, Any], path: str) -> ModelSpec:
+    common = _common(config, path)
+    return ModelSpec(
+        **common, rope=parse_rope(config, path, common["head_dim"]),
+        qkv_bias=config.get("qkv_bias", True), o_bias=False, qk_norm=QK_NORM_NONE,
+        num_experts=config.get("num_experts", config.get("num_local_experts")),
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=_qwen_moe_layers(config),
+        dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0),
+        naming=MLP_NAMING)
+
+
+def _qwen3_moe(config: dict[str, Any], path: str) -> ModelSpec:
+    bias = config.get("attention_bias", False)
+    common = _common(config, path)
+    return ModelSpec(
+        **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
+        o_bias=bias, qk_norm=QK_NORM_PER_HEAD,
+        num_experts=config.get("num_experts", config.get("num_local_experts")),
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=_qwen_moe_layers(config),
+        dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=0, naming=MLP_NAMING)
+
+
+def _olmoe(config: dict[str, Any], path: str) -> ModelSpec:
+    bias = config.get("attention_bias", False)
+    num_layers = config["num_hidden_layers"]
+    common = _common(config, path)
+    return ModelSpec(
+        **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
+        o_bias=bias, qk_norm=QK_NORM_FULL,
+        num_experts=config["num_experts"], moe_intermediate_size=config["intermediate_size"],
+        norm_topk_prob=config.get("norm_topk_prob", False), moe_layers=(True,) * num_layers,
+        dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=0, naming=MLP_NAMING)
+
+
+def _first_k_dense(config: dict[str, Any]) -> tuple[bool, ...]:
+    """DeepSeek / GLM4-MoE: the first `first_k_dense_replace` layers are dense, then every
+    `moe_layer_freq`-th layer is MoE (1 in every published config)."""
+    first = config.get("first_k_dense_replace", 0)
+    freq = config.get("moe_layer_freq", 1)
+    return tuple(i >= first and i % freq == 0 for i in range(config["num_hidden_layers"]))
+
+
+def _sigmoid_router(config: dict[str, Any]) -> RouterSpec:
+    """DeepSeek-V3 / GLM4-MoE `noaux_tc` routing, computed in fp32 as the reference keeps its
+    gate in fp32."""
+    return RouterSpec(ROUTING_SIGMOID_GROUPED, n_group=config.get("n_group") or 1,
+                      topk_group=config.get("topk_group") or 1,
+                      routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+                      correction_bias=True, fp32=True)
+
+
+def _shared_experts_width(config: dict[str, Any]) -> int:
+    return config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
+
+
+def _glm4_moe(config: dict[str, Any], path: str) -> ModelSpec:
+    common = _common(config, path)
+    qk_norm = QK_NORM_PER_HEAD if config.get("use_qk_norm", False) else QK_NORM_NONE
+    rope = parse_rope(config, path, common["head_dim"],
+                      default_partial_factor=GLM4_MOE_PARTIAL_ROTARY_FACTOR)
+    return ModelSpec(
+        **common, rope=rope, qkv_bias=config.get("attention_bias", False), o_bias=False,
+        qk_norm=qk_norm, num_experts=config["n_routed_experts"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=config.get("norm_topk_prob", True), moe_layers=_first_k_dense(config),
+        dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=_shared_experts_width(config), naming=DEEPSEEK_NAMING,
+        router=_sigmoid_router(config), shared_expert_gated=False)
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+    "glm4_moe": _glm4_moe,
+}
