@@ -14,7 +14,12 @@ import torch
 from .moe_config import MoEKernelConfig, get_config
 from .moe_torch import NOT_RESIDENT, MoEWorkspace, fused_moe_torch, reference_fused_moe
 from .moe_triton import fused_moe_triton, is_interpreter
-from .routing import sigmoid_grouped_topk, softmax_topk, topk_softmax
+from .routing import (
+    sigmoid_grouped_topk,
+    softmax_group_limited_topk,
+    softmax_topk,
+    topk_softmax,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -46,4 +51,5 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 __all__ = ["NOT_RESIDENT", "MoEKernelConfig", "MoEWorkspace", "fused_moe", "fused_moe_torch",
            "fused_moe_triton", "get_config", "is_interpreter", "reference_fused_moe",
-           "sigmoid_grouped_topk", "softmax_topk", "topk_softmax"]
+           "sigmoid_grouped_topk", "softmax_group_limited_topk", "softmax_topk",
+           "topk_softmax"]

@@ -57,6 +57,26 @@ def sigmoid_grouped_topk(logits: torch.Tensor, k: int, correction_bias: torch.Te
     return weights * routed_scaling_factor, ids.to(torch.int32)
 
 
+def softmax_group_limited_topk(logits: torch.Tensor, k: int, n_group: int,
+                               topk_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 `group_limited_greedy`: softmax over all E; each group scores its best
+    expert; the k largest probabilities among the `topk_group` best groups. Weights are the
+    probabilities themselves (no renormalisation)."""
+    assert logits.dim() == 2, logits.shape
+    num_tokens, num_experts = logits.shape
+    assert num_experts % n_group == 0 and 0 < topk_group <= n_group, (num_experts, n_group)
+    group_size = num_experts // n_group
+    assert 0 < k <= topk_group * group_size, (k, topk_group, group_size)
+    probs = torch.softmax(logits.float(), dim=-1)                             # [T, E]
+    group_scores = probs.reshape(num_tokens, n_group, group_size).amax(dim=-1)  # [T, G]
+    kept_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+    group_mask.scatter_(1, kept_groups, True)
+    probs = probs.masked_fill(~group_mask.repeat_interleave(group_size, dim=1), 0.0)
+    weights, ids = probs.topk(k, dim=-1, sorted=False)                        # [T, k]
+    return weights, ids.to(torch.int32)
+
+
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GPT-OSS routing: the k largest logits (router bias already added), then a softmax
     over just those k, so the weights always sum to 1."""

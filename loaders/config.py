@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError
-from .rope import parse_rope
+from .rope import ROPE_YARN, RopeSpec, parse_rope, yarn_mscale
 from .spec import (
     DEEPSEEK_NAMING,
     MIXTRAL_NAMING,
@@ -17,6 +17,9 @@ from .spec import (
     QK_NORM_NONE,
     QK_NORM_PER_HEAD,
     ROUTING_SIGMOID_GROUPED,
+    ROUTING_SOFTMAX,
+    ROUTING_SOFTMAX_GROUPED,
+    MLASpec,
     ModelSpec,
     RouterSpec,
 )
@@ -197,10 +200,68 @@ def _glm4_moe(config: dict[str, Any], path: str) -> ModelSpec:
         router=_sigmoid_router(config), shared_expert_gated=False)
 
 
+def _mla(config: dict[str, Any], path: str, interleaved: bool) -> tuple[MLASpec, RopeSpec]:
+    """DeepSeek attention: RoPE on the `qk_rope_head_dim` part only; with YaRN the softmax
+    scale grows by mscale(factor, mscale_all_dim)^2, as in the reference."""
+    nope, rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    rope = parse_rope(config, path, rope_dim, interleaved)
+    scale = (nope + rope_dim) ** -0.5
+    if rope.scaling == ROPE_YARN and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    mla = MLASpec(config.get("q_lora_rank"), config["kv_lora_rank"], nope, rope_dim,
+                  config["v_head_dim"], scale)
+    return mla, rope
+
+
+def _deepseek(config: dict[str, Any], path: str, router: RouterSpec, interleaved: bool,
+              norm_topk_prob: bool) -> ModelSpec:
+    if config.get("mlp_bias", False):
+        raise CheckpointError(path, "unsupported mlp_bias: true (DeepSeek MLPs have no bias)")
+    mla, rope = _mla(config, path, interleaved)
+    bias = config.get("attention_bias", False)
+    common = {**_common(config, path), "head_dim": mla.qk_head_dim}
+    return ModelSpec(
+        **common, rope=rope, qkv_bias=bias, o_bias=bias, qk_norm=QK_NORM_NONE,
+        num_experts=config["n_routed_experts"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=norm_topk_prob, moe_layers=_first_k_dense(config),
+        dense_intermediate_size=config["intermediate_size"],
+        shared_expert_intermediate_size=_shared_experts_width(config), naming=DEEPSEEK_NAMING,
+        router=router, shared_expert_gated=False, mla=mla)
+
+
+def _deepseek_v3(config: dict[str, Any], path: str) -> ModelSpec:
+    method = config.get("topk_method", "noaux_tc")
+    if method != "noaux_tc" or config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(path, f"unsupported DeepSeek-V3 routing topk_method {method!r}, "
+                              f"scoring_func {config.get('scoring_func')!r}")
+    return _deepseek(config, path, _sigmoid_router(config),
+                     interleaved=config.get("rope_interleave", True),
+                     norm_topk_prob=config.get("norm_topk_prob", True))
+
+
+def _deepseek_v2(config: dict[str, Any], path: str) -> ModelSpec:
+    """Softmax routing, greedy or group-limited; the weights times `routed_scaling_factor`
+    unless renormalized (`norm_topk_prob`), as the reference MoEGate does."""
+    method = config.get("topk_method", "greedy")
+    scoring = {"greedy": ROUTING_SOFTMAX, "group_limited_greedy": ROUTING_SOFTMAX_GROUPED}
+    if method not in scoring or config.get("scoring_func", "softmax") != "softmax":
+        raise CheckpointError(path, f"unsupported DeepSeek-V2 routing topk_method {method!r}, "
+                              f"scoring_func {config.get('scoring_func')!r}")
+    scaling = 1.0 if config.get("norm_topk_prob") else config.get("routed_scaling_factor", 1.0)
+    router = RouterSpec(scoring[method], n_group=config.get("n_group") or 1,
+                        topk_group=config.get("topk_group") or 1,
+                        routed_scaling_factor=scaling, fp32=True)
+    return _deepseek(config, path, router, interleaved=True,
+                     norm_topk_prob=config.get("norm_topk_prob", False))
+
+
 _PARSERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
     "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
 }

@@ -43,6 +43,8 @@ def mlp_tensors(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
 
 
 def _attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
+    if spec.mla is not None:
+        return _mla_attention(spec, prefix)
     hidden, q_width = spec.hidden_size, spec.num_heads * spec.head_dim
     kv_width = spec.num_kv_heads * spec.head_dim
     shapes: dict[str, Shape] = {f"{prefix}.q_proj.weight": (q_width, hidden),
@@ -60,6 +62,33 @@ def _attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
     elif spec.qk_norm == QK_NORM_FULL:
         shapes.update({f"{prefix}.q_norm.weight": (q_width,),
                        f"{prefix}.k_norm.weight": (kv_width,)})
+    if spec.attention_sinks:
+        shapes[f"{prefix}.sinks"] = (spec.num_heads,)
+    return shapes
+
+
+def _mla_attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
+    mla, hidden, heads = spec.mla, spec.hidden_size, spec.num_heads
+    shapes: dict[str, Shape] = {}
+    if mla.q_lora_rank is None:
+        shapes[f"{prefix}.q_proj.weight"] = (heads * mla.qk_head_dim, hidden)
+    else:
+        shapes.update({f"{prefix}.q_a_proj.weight": (mla.q_lora_rank, hidden),
+                       f"{prefix}.q_a_layernorm.weight": (mla.q_lora_rank,),
+                       f"{prefix}.q_b_proj.weight": (heads * mla.qk_head_dim, mla.q_lora_rank)})
+        if spec.qkv_bias:
+            shapes[f"{prefix}.q_a_proj.bias"] = (mla.q_lora_rank,)
+    kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim
+    shapes.update({
+        f"{prefix}.kv_a_proj_with_mqa.weight": (kv_a, hidden),
+        f"{prefix}.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        f"{prefix}.kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                       mla.kv_lora_rank),
+        f"{prefix}.o_proj.weight": (hidden, heads * mla.v_head_dim)})
+    if spec.qkv_bias:
+        shapes[f"{prefix}.kv_a_proj_with_mqa.bias"] = (kv_a,)
+    if spec.o_bias:
+        shapes[f"{prefix}.o_proj.bias"] = (hidden,)
     return shapes
 
 

@@ -25,7 +25,8 @@ from mox.loaders.layout import expected_tensors
 from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
-DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3",
+                      "deepseek_v2")
 PRESETS = ("demo", "mid", "bench")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
@@ -64,6 +65,8 @@ DEMO_SIZES = {
     "qwen3_moe": Size(256, 4, 8, 4, 64, experts=32, top_k=4, moe_intermediate=128),
     "olmoe": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
     "glm4_moe": Size(256, 4, 8, 4, 32, experts=32, top_k=4, moe_intermediate=128),
+    "deepseek_v3": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
+    "deepseek_v2": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
 }
 # Realistic proportions: ~1.6 GB of experts and ~0.2 GB of dense weights in bf16.
 BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
@@ -112,6 +115,8 @@ def hf_config(arch: str, size: Size, vocab: int) -> dict:
                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                 "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
                 "attention_bias": True, "partial_rotary_factor": 0.5}
+    if arch in ("deepseek_v3", "deepseek_v2"):
+        return deepseek_config(arch, size, common)
     qwen = {**common, "num_experts": size.experts, "moe_intermediate_size": size.moe_intermediate,
             "intermediate_size": 4 * size.moe_intermediate, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "use_sliding_window": False, "head_dim": size.head_dim}
@@ -122,6 +127,28 @@ def hf_config(arch: str, size: Size, vocab: int) -> dict:
         return {**qwen, "architectures": ["Qwen3MoeForCausalLM"], "norm_topk_prob": True,
                 "attention_bias": False}
     raise ValueError(f"no demo for architecture {arch!r}")
+
+
+def deepseek_config(arch: str, size: Size, common: dict) -> dict:
+    """DeepSeek-V3's flavour (q LoRA, sigmoid grouped routing) or V2-Lite's (no q LoRA,
+    softmax greedy routing): MLA, a dense first layer, shared experts, YaRN as published."""
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    config = {**common, "n_routed_experts": size.experts,
+              "moe_intermediate_size": size.moe_intermediate,
+              "intermediate_size": 4 * size.moe_intermediate, "first_k_dense_replace": 1,
+              "kv_lora_rank": 2 * size.head_dim, "qk_nope_head_dim": size.head_dim,
+              "qk_rope_head_dim": size.head_dim // 2, "v_head_dim": size.head_dim,
+              "max_position_embeddings": 163840, "attention_bias": False}
+    if arch == "deepseek_v3":
+        return {**config, "architectures": ["DeepseekV3ForCausalLM"],
+                "q_lora_rank": size.hidden // 2, "n_shared_experts": 1, "n_group": 4,
+                "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_scaling": yarn}
+    return {**config, "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None,
+            "n_shared_experts": 2, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+            "rope_scaling": {**yarn, "mscale": 0.707, "mscale_all_dim": 0.707}}
 
 
 def zipf_gate_scales(num_experts: int, top_k: int, exponent: float,

@@ -35,6 +35,20 @@ CASES = {
                                   topk_group=1, first_k_dense_replace=1, num_hidden_layers=3,
                                   head_dim=16, use_qk_norm=True, attention_bias=True,
                                   routed_scaling_factor=2.5, partial_rotary_factor=0.5)),
+    # MLA with q LoRA and biases, interleaved YaRN rope (mscale), sigmoid grouped routing
+    "deepseek_v3": ("deepseek_v3", dict(
+        n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
+        first_k_dense_replace=1, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        attention_bias=True, routed_scaling_factor=2.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+            original_max_position_embeddings=64))),
+    # MLA without q LoRA (V2-Lite), complex-pair rope, group-limited softmax routing
+    "deepseek_v2": ("deepseek_v2", dict(
+        n_routed_experts=8, moe_intermediate_size=16, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
+        first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
 }
 # Tensors transformers initializes to constants (zeros): random in the tests, so they count.
 RANDOMIZED_SUFFIXES = ("e_score_correction_bias",)

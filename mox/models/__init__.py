@@ -1,4 +1,4 @@
-"""Model forward: one generic MoE decoder for mixtral, qwen2_moe, qwen3_moe and olmoe."""
+"""Model forward: one generic MoE decoder for every supported architecture (`ModelSpec`)."""
 
 from mox.models.decoder import MoEDecoder
 from mox.models.loading import load_model, open_model

@@ -17,12 +17,16 @@ from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
 from mox.models.layers import MLPWeights, rms_norm
+from mox.models.mla import MLAWeights, mla_attention
 from mox.models.moe import MoEWeights, moe_block, route
 from mox.models.rotary import Rotary
 
 
 def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                  block_size: int) -> KVStore:
+    if spec.mla is not None:       # the latent as "key", the shared rope key as "value"
+        return KVStore(spec.num_layers, 1, spec.mla.kv_lora_rank, dtype, device, block_size,
+                       value_dim=spec.mla.qk_rope_head_dim)
     return KVStore(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, device, block_size)
 
 
@@ -30,7 +34,7 @@ def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
 class LayerWeights:
     input_norm: torch.Tensor                  # [H]
     post_attention_norm: torch.Tensor         # [H]
-    attention: AttentionWeights
+    attention: AttentionWeights | MLAWeights
     mlp: MoEWeights | MLPWeights              # MoE block, or a dense MLP layer
 
 
@@ -46,6 +50,7 @@ class MoEDecoder:
         self.lm_head = lm_head                # [V, H] (the embedding itself when tied)
         self.experts = experts
         self.rotary = Rotary(spec.rope, embed.device)
+        self.attention = attention if spec.mla is None else mla_attention
         moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEWeights)]
         # each MoE block's successor, whose router predicts what to prefetch
         self.next_moe = {a.moe_layer: b for a, b in zip(moe, moe[1:])}
@@ -77,7 +82,7 @@ class MoEDecoder:
         eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            x = x + attention(self.spec, layer.attention, i, h, self.rotary, batch)
+            x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
             h = rms_norm(x, layer.post_attention_norm, eps)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)

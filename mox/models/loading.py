@@ -11,6 +11,7 @@ from mox.models.attention import AttentionWeights
 from mox.models.decoder import LayerWeights, MoEDecoder
 from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
+from mox.models.mla import MLAWeights
 from mox.models.moe import MoEWeights
 from mox.pager import ExpertPager
 
@@ -104,7 +105,10 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
     return MoEDecoder(spec, embed, layers, final_norm, lm_head, experts)
 
 
-def _attention_weights(spec: ModelSpec, read: _DenseReader, prefix: str) -> AttentionWeights:
+def _attention_weights(spec: ModelSpec, read: _DenseReader,
+                       prefix: str) -> AttentionWeights | MLAWeights:
+    if spec.mla is not None:
+        return _mla_weights(spec, read, prefix)
     w = AttentionWeights(
         q=read(f"{prefix}.q_proj.weight"),
         k=read(f"{prefix}.k_proj.weight"),
@@ -119,6 +123,27 @@ def _attention_weights(spec: ModelSpec, read: _DenseReader, prefix: str) -> Atte
     if spec.qk_norm != QK_NORM_NONE:
         w.q_norm = read(f"{prefix}.q_norm.weight")
         w.k_norm = read(f"{prefix}.k_norm.weight")
+    if spec.attention_sinks:
+        w.sinks = read(f"{prefix}.sinks")
+    return w
+
+
+def _mla_weights(spec: ModelSpec, read: _DenseReader, prefix: str) -> MLAWeights:
+    w = MLAWeights(kv_a=read(f"{prefix}.kv_a_proj_with_mqa.weight"),
+                   kv_a_norm=read(f"{prefix}.kv_a_layernorm.weight"),
+                   kv_b=read(f"{prefix}.kv_b_proj.weight"), o=read(f"{prefix}.o_proj.weight"))
+    if spec.mla.q_lora_rank is None:
+        w.q = read(f"{prefix}.q_proj.weight")
+    else:
+        w.q_a = read(f"{prefix}.q_a_proj.weight")
+        w.q_a_norm = read(f"{prefix}.q_a_layernorm.weight")
+        w.q_b = read(f"{prefix}.q_b_proj.weight")
+    if spec.qkv_bias:
+        w.kv_a_bias = read(f"{prefix}.kv_a_proj_with_mqa.bias")
+        if spec.mla.q_lora_rank is not None:
+            w.q_a_bias = read(f"{prefix}.q_a_proj.bias")
+    if spec.o_bias:
+        w.o_bias = read(f"{prefix}.o_proj.bias")
     return w
 
 

@@ -11,8 +11,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mox.kernels import fused_moe, sigmoid_grouped_topk, softmax_topk
-from mox.loaders.spec import ROUTING_SIGMOID_GROUPED, ROUTING_SOFTMAX, ModelSpec
+from mox.kernels import (
+    fused_moe,
+    sigmoid_grouped_topk,
+    softmax_group_limited_topk,
+    softmax_topk,
+)
+from mox.loaders.spec import (
+    ROUTING_SIGMOID_GROUPED,
+    ROUTING_SOFTMAX,
+    ROUTING_SOFTMAX_GROUPED,
+    ModelSpec,
+)
 from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 
@@ -39,8 +49,14 @@ def route(spec: ModelSpec, w: MoEWeights,
         return sigmoid_grouped_topk(logits, spec.top_k, w.correction_bias, router.n_group,
                                     router.topk_group, spec.norm_topk_prob,
                                     router.routed_scaling_factor)
-    assert router.scoring == ROUTING_SOFTMAX, router.scoring
-    weights, ids = softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
+    if router.scoring == ROUTING_SOFTMAX_GROUPED:
+        weights, ids = softmax_group_limited_topk(logits, spec.top_k, router.n_group,
+                                                  router.topk_group)
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        assert router.scoring == ROUTING_SOFTMAX, router.scoring
+        weights, ids = softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
     if router.routed_scaling_factor != 1.0:
         weights = weights * router.routed_scaling_factor
     return weights, ids

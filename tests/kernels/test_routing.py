@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mox.kernels.routing import sigmoid_grouped_topk, softmax_topk, topk_softmax
+from mox.kernels.routing import (
+    sigmoid_grouped_topk,
+    softmax_group_limited_topk,
+    softmax_topk,
+    topk_softmax,
+)
 
 NUM_TOKENS = 64
 HIDDEN = 32
@@ -75,6 +80,25 @@ def test_correction_bias_steers_choice_not_weights():
     weights, ids = sigmoid_grouped_topk(logits, 2, bias, 4, 2, False, 1.0)
     assert (ids == 3).any(dim=-1).all()
     torch.testing.assert_close(weights, torch.sigmoid(logits).gather(1, ids.long()))
+
+
+@pytest.mark.parametrize("num_experts,n_group,topk_group,k", [
+    (16, 4, 2, 4), (32, 8, 3, 6), (12, 3, 1, 4), (8, 1, 1, 2)])
+def test_softmax_group_limited_topk_matches_deepseek_v2(num_experts, n_group, topk_group, k):
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = AutoConfig.for_model(
+        "deepseek_v2", hidden_size=HIDDEN, n_routed_experts=num_experts, num_experts_per_tok=k,
+        n_group=n_group, topk_group=topk_group, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.0)
+    gen = torch.Generator().manual_seed(num_experts + k)
+    router = _randomize(DeepseekV2TopkRouter(config), gen)
+    hidden = torch.randn(NUM_TOKENS, HIDDEN, generator=gen) / HIDDEN**0.5
+    with torch.no_grad():
+        logits, w_ref, ids_ref = router(hidden)
+    ours = softmax_group_limited_topk(logits, k, n_group, topk_group)
+    _assert_same_routing(ours, (w_ref, ids_ref))
 
 
 @pytest.mark.parametrize("num_experts,k", [(4, 1), (8, 2), (32, 4), (16, 16)])
