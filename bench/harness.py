@@ -207,8 +207,10 @@ async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry
             scraper.start(origin)
             results = await replay(generator, plan.requests, deadline_s(config.duration_s))
             final = await scraper.stop()
+            load = os.getloadavg()[0]     # the box is shared: say how busy it was
         exit_code = await server.stop()
-    return RunRecord(policy, results, scraper.samples, baseline, final, startup_s, exit_code)
+    return RunRecord(policy, results, scraper.samples, baseline, final, startup_s, exit_code,
+                     load_average_1m=load)
 
 
 async def _run_policy_safely(config: BenchConfig, plan: SuitePlan, policy: str,

@@ -143,6 +143,7 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     server_exit_code: int | None = None
     startup_s: float = 0.0
     makespan_s: float = 0.0
+    load_average_1m: float | None = None    # the machine's, as the replay ended (2 = 2 cores)
     counts: Counts | None = None
     throughput_tokens_per_s: float = 0.0
     throughput_requests_per_s: float = 0.0
@@ -210,6 +211,7 @@ class RunRecord:
     startup_s: float
     exit_code: int | None
     error: str | None = None
+    load_average_1m: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def headline(self) -> str:
@@ -218,7 +220,8 @@ class RunRecord:
         ok = [r for r in self.results if r.is_ok]
         ttft = summary([r.ttft_s for r in ok])
         p99 = "-" if ttft.p99 is None else f"{ttft.p99:.2f}"
-        return f"{len(ok)}/{len(self.results)} ok, TTFT p99 {p99} s"
+        load = "" if self.load_average_1m is None else f", load {self.load_average_1m:.1f}"
+        return f"{len(ok)}/{len(self.results)} ok, TTFT p99 {p99} s{load}"
 
 
 # ---- summaries -----------------------------------------------------------------------------
@@ -303,7 +306,8 @@ def summarize_policy(run: RunRecord, models: list[str], slo: SLO) -> PolicyResul
                 for s in run.samples]
     return PolicyResult(
         policy=run.policy, server_exit_code=run.exit_code, startup_s=run.startup_s,
-        makespan_s=span, counts=c, throughput_tokens_per_s=c.output_tokens / span,
+        makespan_s=span, load_average_1m=run.load_average_1m, counts=c,
+        throughput_tokens_per_s=c.output_tokens / span,
         throughput_requests_per_s=c.ok / span, goodput_requests_per_s=c.met_slo / span,
         latency=latency(run.results), pager=pager(run, models),
         peak_device_used_bytes=int(max((p.device_used_bytes for p in timeline), default=0)),

@@ -18,7 +18,7 @@ DEFAULT_POLICIES = ("rate", "lru", "model-swap", "all-resident")
 QUICK = dict(num_models=4, preset="demo", rate=4.0, duration_s=5.0, prompt=(24, 0.5, 4, 64),
              output=(12, 0.5, 2, 24), routing_skews=[0.0], slo="ttft:1000 tpot:200",
              routing_sequences=2, scrape_period_s=0.5)
-FULL = dict(num_models=12, preset="mid", rate=2.0, duration_s=60.0, prompt=(32, 0.5, 4, 128),
+FULL = dict(num_models=12, preset="mid", rate=1.5, duration_s=60.0, prompt=(32, 0.5, 4, 128),
             output=(32, 0.5, 4, 64), routing_skews=[0.0, 1.0], slo="ttft:2000 tpot:250",
             routing_sequences=8, scrape_period_s=1.0)
 
@@ -104,7 +104,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of popularity")
     bench.add_argument("--cv", type=float, default=2.0,
                        help="coefficient of variation of inter-arrival gaps (1 = Poisson)")
-    bench.add_argument("--rate", type=float, help="total requests/s (quick 4, full 2)")
+    bench.add_argument("--rate", type=float, help="total requests/s (quick 4, full 1.5)")
     bench.add_argument("--duration", type=float, help="seconds of arrivals (quick 5, full 60)")
     bench.add_argument("--prompt-tokens", type=float, help="mean prompt length")
     bench.add_argument("--output-tokens", type=float, help="mean output length")
