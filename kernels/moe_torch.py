@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .activation import SILU, Activation
+
 NOT_RESIDENT = -1
+SILU_ACTIVATION = Activation(SILU)
 # Above this many rows per active expert the per-slot loop wins over grouped_mm on CPU.
 GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
 # torch's CPU grouped_mm visits every group, empty or not (a few small ops each): it pays only
@@ -52,12 +55,17 @@ def _has_grouped_mm(x: torch.Tensor) -> bool:
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
                     workspace: MoEWorkspace | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None,
+                    activation: Activation = SILU_ACTIVATION, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> torch.Tensor:
     """`out_dtype` (default x's): float32 keeps the fp32 sum unrounded, for a caller that
-    adds several calls (waves) and must round once to get the same result as one call."""
+    adds several calls (waves) and must round once to get the same result as one call.
+    `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
+    routing weight."""
     out_dtype = out_dtype or x.dtype
+    experts = _Experts(w13, w2, activation, b13, b2)
     if topk_ids.shape[0] == 1:
-        return _one_token(x, w13, w2, topk_weights,
+        return _one_token(x, experts, topk_weights,
                           slot_of[topk_ids[0].long()].tolist()).to(out_dtype)
     ws = workspace or MoEWorkspace()
     num_tokens, k = topk_ids.shape
@@ -77,9 +85,10 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
-        down = _grouped_experts(rows, w13[lo:hi], w2[lo:hi], counts[lo:hi])
+        row_slots = slots[order] if experts.has_bias else None                # [P']
+        down = _grouped_experts(rows, experts, lo, hi, counts[lo:hi], row_slots)
     else:
-        down = _looped_experts(rows, w13, w2, [(s, num_per_slot[s]) for s in active], ws)
+        down = _looped_experts(rows, experts, [(s, num_per_slot[s]) for s in active], ws)
     contrib = ws.get("contrib", num_rows, hidden, torch.float32, x.device)
     # fp32 accumulation: k bf16 contributions summed in bf16 lose ~3 bits each
     torch.mul(down, topk_weights.reshape(-1)[order, None], out=contrib)
@@ -88,33 +97,64 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(out_dtype)
 
 
-def _one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               topk_weights: torch.Tensor, slots: list[int]) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Experts:
+    """The slot pool as one call sees it."""
+
+    w13: torch.Tensor                    # [S, 2I, H]
+    w2: torch.Tensor                     # [S, H, I]
+    activation: Activation
+    b13: torch.Tensor | None = None      # [S, 2I]
+    b2: torch.Tensor | None = None       # [S, H]
+
+    @property
+    def has_bias(self) -> bool:
+        return self.b13 is not None
+
+    @property
+    def inter(self) -> int:
+        return self.w2.shape[2]
+
+
+def _one_token(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
+               slots: list[int]) -> torch.Tensor:
     """Decode of one sequence: k matrix-vector products, none of the sorting machinery;
     `[1, H]` float32."""
-    inter = w2.shape[2]
+    inter = experts.inter
     out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)      # [H]
     for slot, weight in zip(slots, topk_weights[0].tolist()):
         if slot == NOT_RESIDENT:
             continue
-        gate_up = torch.mv(w13[slot], x[0])                                  # [2I]
-        act = F.silu(gate_up[:inter]) * gate_up[inter:]                      # [I]
-        out.add_(torch.mv(w2[slot], act).float(), alpha=weight)
+        gate_up = torch.mv(experts.w13[slot], x[0])                          # [2I]
+        if experts.has_bias:
+            gate_up = gate_up + experts.b13[slot]
+        act = experts.activation(gate_up[:inter], gate_up[inter:])           # [I]
+        down = torch.mv(experts.w2[slot], act)                               # [H]
+        if experts.has_bias:
+            down = down + experts.b2[slot]
+        out.add_(down.float(), alpha=weight)
     return out[None]                                                         # [1, H]
 
 
-def _grouped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     counts: torch.Tensor) -> torch.Tensor:
-    inter = w2.shape[2]
+def _grouped_experts(rows: torch.Tensor, experts: _Experts, lo: int, hi: int,
+                     counts: torch.Tensor, row_slots: torch.Tensor | None) -> torch.Tensor:
+    """Slots [lo, hi) in two grouped GEMMs; `row_slots` `[P']`: each row's slot (biases)."""
+    inter = experts.inter
     offsets = counts.cumsum(0).to(torch.int32)                            # [S] group ends
-    gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=offsets)       # [P', 2I]
-    act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])             # [P', I]
-    return F.grouped_mm(act, w2.transpose(1, 2), offs=offsets)            # [P', H]
+    gate_up = F.grouped_mm(rows, experts.w13[lo:hi].transpose(1, 2), offs=offsets)  # [P', 2I]
+    if row_slots is not None:
+        gate_up += experts.b13[row_slots]
+    act = experts.activation(gate_up[:, :inter], gate_up[:, inter:])      # [P', I]
+    down = F.grouped_mm(act, experts.w2[lo:hi].transpose(1, 2), offs=offsets)       # [P', H]
+    if row_slots is not None:
+        down += experts.b2[row_slots]
+    return down
 
 
-def _looped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    runs: list[tuple[int, int]], ws: MoEWorkspace) -> torch.Tensor:
+def _looped_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int, int]],
+                    ws: MoEWorkspace) -> torch.Tensor:
     """`runs`: (slot, number of rows) of each active slot, in row order."""
+    w13, w2 = experts.w13, experts.w2
     num_rows, inter, hidden = rows.shape[0], w2.shape[2], w2.shape[1]
     gate_up = ws.get("gate_up", num_rows, 2 * inter, rows.dtype, rows.device)
     act = ws.get("act", num_rows, inter, rows.dtype, rows.device)
@@ -123,16 +163,26 @@ def _looped_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for slot, length in runs:
         end = start + length
         torch.mm(rows[start:end], w13[slot].t(), out=gate_up[start:end])
-        torch.mul(F.silu(gate_up[start:end, :inter]), gate_up[start:end, inter:],
-                  out=act[start:end])
+        if experts.has_bias:
+            gate_up[start:end] += experts.b13[slot]
+        if experts.activation.kind == SILU:
+            torch.mul(F.silu(gate_up[start:end, :inter]), gate_up[start:end, inter:],
+                      out=act[start:end])
+        else:
+            act[start:end] = experts.activation(gate_up[start:end, :inter],
+                                                gate_up[start:end, inter:])
         torch.mm(act[start:end], w2[slot].t(), out=down[start:end])
+        if experts.has_bias:
+            down[start:end] += experts.b2[slot]
         start = end
     return down
 
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        slot_of: torch.Tensor) -> torch.Tensor:
+                        slot_of: torch.Tensor, activation: Activation = SILU_ACTIVATION,
+                        b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None) -> torch.Tensor:
     """The plain definition, token by token, in fp32: what every backend must equal."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -142,6 +192,10 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             if slot == NOT_RESIDENT:
                 continue
             gate_up = w13[slot].float() @ x[t].float()
-            act = F.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += topk_weights[t, j].float() * (w2[slot].float() @ act)
+            if b13 is not None:
+                gate_up = gate_up + b13[slot].float()
+            down = w2[slot].float() @ activation(gate_up[:inter], gate_up[inter:])
+            if b2 is not None:
+                down = down + b2[slot].float()
+            out[t] += topk_weights[t, j].float() * down
     return out.to(x.dtype)

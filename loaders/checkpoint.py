@@ -6,33 +6,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
 
 from .config import load_spec
 from .errors import CheckpointError
-from .layout import expected_tensors, expert_tensors
+from .experts import ExpertTensors, expert_index
+from .layout import expected_tensors
 from .safetensors_format import TensorInfo, read_header
 from .spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class ExpertTensors:
-    """One expert's three weights on disk: gate and up `[I, H]`, down `[H, I]`."""
-
-    gate: TensorInfo
-    up: TensorInfo
-    down: TensorInfo
-
-    @property
-    def infos(self) -> tuple[TensorInfo, ...]:
-        return (self.gate, self.up, self.down)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(info.nbytes for info in self.infos)
-
 
 class Checkpoint:
     """Read-only view of a checkpoint folder: its spec, every tensor's byte range, and the
@@ -45,7 +27,8 @@ class Checkpoint:
         self.spec: ModelSpec = load_spec(self.path)
         self.tensors: dict[str, TensorInfo] = _index_tensors(self.path)
         self._check_layout()
-        self.experts: dict[tuple[int, int], ExpertTensors] = _expert_index(self)
+        self.experts: dict[tuple[int, int], ExpertTensors] = expert_index(self.spec,
+                                                                          self.info)
 
     def _check_layout(self) -> None:
         """Every tensor the spec implies is present with its shape: a mismatched file fails
@@ -112,11 +95,3 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(index_path, "corrupt index file: weight_map is not an object")
     return weight_map
-
-
-def _expert_index(ckpt: Checkpoint) -> dict[tuple[int, int], ExpertTensors]:
-    spec = ckpt.spec
-    return {(layer, expert): ExpertTensors(*(ckpt.info(name) for name in
-                                             expert_tensors(spec, layer, expert)))
-            for layer in range(spec.num_layers) if spec.moe_layers[layer]
-            for expert in range(spec.num_experts)}

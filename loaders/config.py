@@ -8,9 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError
+from .layout import MXFP4_BLOCK_VALUES
 from .rope import ROPE_YARN, RopeSpec, parse_rope, yarn_mscale
 from .spec import (
+    ACTIVATION_CLAMPED_SWIGLU,
     DEEPSEEK_NAMING,
+    EXPERTS_FUSED,
+    EXPERTS_MXFP4,
+    GPT_OSS_NAMING,
     MIXTRAL_NAMING,
     MLP_NAMING,
     QK_NORM_FULL,
@@ -19,6 +24,7 @@ from .spec import (
     ROUTING_SIGMOID_GROUPED,
     ROUTING_SOFTMAX,
     ROUTING_SOFTMAX_GROUPED,
+    ROUTING_TOPK_SOFTMAX,
     MLASpec,
     ModelSpec,
     RouterSpec,
@@ -256,6 +262,28 @@ def _deepseek_v2(config: dict[str, Any], path: str) -> ModelSpec:
                      norm_topk_prob=config.get("norm_topk_prob", False))
 
 
+def _gpt_oss(config: dict[str, Any], path: str) -> ModelSpec:
+    """Experts fused `[E, ...]` with biases (MXFP4 blocks and scales as published, dequantized
+    on load), clamped SwiGLU, a biased router, attention sinks, alternating sliding windows."""
+    common = _common(config, path, quantizations=(EXPERTS_MXFP4,))
+    storage = EXPERTS_MXFP4 if quantization_method(config) == EXPERTS_MXFP4 else EXPERTS_FUSED
+    if storage == EXPERTS_MXFP4 and (config["hidden_size"] % MXFP4_BLOCK_VALUES
+                                     or config["intermediate_size"] % MXFP4_BLOCK_VALUES):
+        raise CheckpointError(path, "MXFP4 experts need hidden_size and intermediate_size "
+                              f"divisible by {MXFP4_BLOCK_VALUES}")
+    bias = config.get("attention_bias", True)
+    return ModelSpec(
+        **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
+        o_bias=bias, qk_norm=QK_NORM_NONE, num_experts=config["num_local_experts"],
+        moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True,
+        moe_layers=(True,) * config["num_hidden_layers"],
+        dense_intermediate_size=config["intermediate_size"], shared_expert_intermediate_size=0,
+        naming=GPT_OSS_NAMING, router=RouterSpec(ROUTING_TOPK_SOFTMAX, bias=True),
+        expert_storage=storage, expert_bias=True, activation=ACTIVATION_CLAMPED_SWIGLU,
+        swiglu_alpha=config.get("swiglu_alpha", 1.702),
+        swiglu_limit=config.get("swiglu_limit", 7.0), attention_sinks=True)
+
+
 _PARSERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
@@ -264,4 +292,5 @@ _PARSERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
     "glm4_moe": _glm4_moe,
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
 }

@@ -4,9 +4,12 @@ demo builder writes it, so both agree with the real thing by construction."""
 
 from __future__ import annotations
 
-from .spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
+from .spec import EXPERTS_FUSED, EXPERTS_MXFP4, QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
 
 Shape = tuple[int, ...]
+# MXFP4 (OCP microscaling): blocks of 32 FP4 values sharing one 8-bit power-of-two scale;
+# two values a byte, so a block is 16 bytes.
+MXFP4_BLOCK_VALUES, MXFP4_BLOCK_BYTES = 32, 16
 
 
 def expected_tensors(spec: ModelSpec) -> dict[str, Shape]:
@@ -28,12 +31,36 @@ def expected_tensors(spec: ModelSpec) -> dict[str, Shape]:
 
 
 def expert_tensors(spec: ModelSpec, layer: int, expert: int) -> dict[str, Shape]:
-    """Gate, up, down of one expert, in that order."""
+    """Gate, up, down of one expert, in that order (checkpoints storing experts separately)."""
+    assert not is_fused(spec), spec.expert_storage
     naming, hidden, inter = spec.naming, spec.hidden_size, spec.moe_intermediate_size
     prefix = naming.expert_prefix(layer, expert)
     return {f"{prefix}.{naming.gate}.weight": (inter, hidden),
             f"{prefix}.{naming.up}.weight": (inter, hidden),
             f"{prefix}.{naming.down}.weight": (hidden, inter)}
+
+
+def is_fused(spec: ModelSpec) -> bool:
+    return spec.expert_storage in (EXPERTS_FUSED, EXPERTS_MXFP4)
+
+
+def fused_expert_tensors(spec: ModelSpec, layer: int) -> dict[str, Shape]:
+    """GPT-OSS's `[E, ...]` tensors of one layer. bf16: gate_up `[E, H, 2I]` (gate and up
+    columns interleaved), down `[E, I, H]`, biases. MXFP4: the weights as `*_blocks`
+    `[E, rows, cols / 32, 16]` and `*_scales` `[E, rows, cols / 32]` in output-row order
+    (gate_up rows interleaved), biases as in bf16. Expert e is index e of each."""
+    prefix, hidden = spec.naming.fused_experts(layer), spec.hidden_size
+    experts, inter = spec.num_experts, spec.moe_intermediate_size
+    shapes = {f"{prefix}.gate_up_proj_bias": (experts, 2 * inter),
+              f"{prefix}.down_proj_bias": (experts, hidden)}
+    if spec.expert_storage == EXPERTS_FUSED:
+        return {f"{prefix}.gate_up_proj": (experts, hidden, 2 * inter),
+                f"{prefix}.down_proj": (experts, inter, hidden), **shapes}
+    for name, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        blocks = cols // MXFP4_BLOCK_VALUES
+        shapes[f"{prefix}.{name}_blocks"] = (experts, rows, blocks, MXFP4_BLOCK_BYTES)
+        shapes[f"{prefix}.{name}_scales"] = (experts, rows, blocks)
+    return shapes
 
 
 def mlp_tensors(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
@@ -94,8 +121,11 @@ def _mla_attention(spec: ModelSpec, prefix: str) -> dict[str, Shape]:
 
 def _moe(spec: ModelSpec, layer: int) -> dict[str, Shape]:
     shapes = router_tensors(spec, layer)
-    for expert in range(spec.num_experts):
-        shapes.update(expert_tensors(spec, layer, expert))
+    if is_fused(spec):
+        shapes.update(fused_expert_tensors(spec, layer))
+    else:
+        for expert in range(spec.num_experts):
+            shapes.update(expert_tensors(spec, layer, expert))
     if spec.has_shared_expert:
         shapes.update(mlp_tensors(spec.naming.shared_expert_prefix(layer), spec.hidden_size,
                                   spec.shared_expert_intermediate_size))

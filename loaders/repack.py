@@ -18,7 +18,8 @@ import struct
 from collections.abc import Callable
 
 from .checkpoint import INDEX_FILE, Checkpoint
-from .layout import expert_tensors
+from .errors import CheckpointError
+from .layout import expert_tensors, is_fused
 from .safetensors_format import DTYPE_NAMES, HEADER_LENGTH_BYTES, TensorInfo
 from .writer import SINGLE_FILE, plan_shards, write_json_atomic
 
@@ -60,6 +61,10 @@ def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30,
     """Write `src` expert-major into `dst`; `progress` hears of every chunk copied (the
     total is the sum of the tensors' bytes)."""
     ckpt = Checkpoint(src)
+    if is_fused(ckpt.spec):
+        raise CheckpointError(ckpt.path, "experts are stored fused ([E, ...] tensors, GPT-OSS): "
+                              "each expert's parts are already contiguous ranges; serve the "
+                              "checkpoint as it is")
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(ckpt.path):                  # config, tokenizer, generation config
         if not name.endswith(".safetensors") and name != INDEX_FILE:

@@ -26,7 +26,7 @@ from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
 DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3",
-                      "deepseek_v2")
+                      "deepseek_v2", "gpt_oss")
 PRESETS = ("demo", "mid", "bench")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
@@ -67,7 +67,10 @@ DEMO_SIZES = {
     "glm4_moe": Size(256, 4, 8, 4, 32, experts=32, top_k=4, moe_intermediate=128),
     "deepseek_v3": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
     "deepseek_v2": Size(256, 4, 8, 8, 32, experts=32, top_k=4, moe_intermediate=128),
+    "gpt_oss": Size(256, 4, 8, 4, 32, experts=32, top_k=4, moe_intermediate=128),
 }
+# GPT-OSS's fused `[E, in, out]` expert weights: their fan-in is the middle dim.
+FUSED_TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
 # Realistic proportions: ~1.6 GB of experts and ~0.2 GB of dense weights in bf16.
 BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512, vocab=32000)
 # Bench's expert count and top-k at about a quarter of its bytes (~0.38 GiB of experts +
@@ -117,6 +120,15 @@ def hf_config(arch: str, size: Size, vocab: int) -> dict:
                 "attention_bias": True, "partial_rotary_factor": 0.5}
     if arch in ("deepseek_v3", "deepseek_v2"):
         return deepseek_config(arch, size, common)
+    if arch == "gpt_oss":       # bf16 fused experts (published checkpoints are MXFP4)
+        return {**common, "architectures": ["GptOssForCausalLM"], "head_dim": size.head_dim,
+                "num_local_experts": size.experts, "intermediate_size": size.moe_intermediate,
+                "attention_bias": True, "sliding_window": 16, "swiglu_limit": 7.0,
+                "layer_types": ["sliding_attention", "full_attention"] * (size.layers // 2),
+                "rope_theta": 150000.0, "max_position_embeddings": 131072,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                 "truncate": False}}
     qwen = {**common, "num_experts": size.experts, "moe_intermediate_size": size.moe_intermediate,
             "intermediate_size": 4 * size.moe_intermediate, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "use_sliding_window": False, "head_dim": size.head_dim}
@@ -207,8 +219,10 @@ class _Weights:
             return CORRECTION_BIAS_SCALE * torch.randn(shape, generator=gen)
         if name == "model.embed_tokens.weight":
             return torch.randn(shape, generator=gen)
-        weight = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        if name.endswith(".gate.weight") and shape[0] == self.num_experts:   # router
+        fan_in = shape[-2] if name.endswith(FUSED_TRANSPOSED) else shape[-1]
+        weight = torch.randn(shape, generator=gen) / fan_in ** 0.5
+        is_router = name.endswith((".gate.weight", ".router.weight"))
+        if is_router and shape[0] == self.num_experts:
             rng = np.random.default_rng(name_seed)
             scales = zipf_gate_scales(self.num_experts, self.top_k, self.routing_skew, rng)
             weight *= torch.from_numpy(scales).float()[:, None]

@@ -3,10 +3,13 @@ through the streaming reader; then into the pool tensors on the compute device.
 
 Runs on the reader's I/O threads, outside the pager's lock: the target slot is reserved
 (pinned, loading), so nothing else touches it until the load commits.
-- CPU pool in the checkpoint's dtype: `preadv` straight into the slot's memory, no copy.
+- CPU pool in the checkpoint's dtype, parts stored as the slot holds them: `preadv` straight
+  into the slot's memory, no copy.
 - Otherwise bytes land in a staging buffer (per thread, reused; pinned for CUDA) and are
-  converted / copied into the slot; on CUDA the copy runs on a side stream and the I/O thread
-  waits on its event before reusing the buffer, so the compute stream never stalls.
+  decoded (MXFP4), converted and copied into the slot through each part's destination view
+  (strided where the stored layout differs: GPT-OSS); on CUDA the copy runs on a side stream
+  and the I/O thread waits on its event before reusing the buffer, so the compute stream
+  never stalls.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ import torch
 
 from mox.host_cache import CacheKey, HostCache
 from mox.loaders import ExpertTensors
+from mox.loaders.experts import (
+    DOWN,
+    DOWN_BLOCKS,
+    DOWN_SCALES,
+    GATE_UP_BLOCKS,
+    GATE_UP_ROWS,
+    GATE_UP_SCALES,
+    MXFP4_ROLES,
+)
+from mox.loaders.mxfp4 import dequantize_mxfp4
 from mox.loaders.stream import ByteRange, StreamingReader
 from mox.slot_pool import SlotPool
 
@@ -34,7 +47,7 @@ class LoadResult:
 
 def expert_ranges(tensors: ExpertTensors, label: str) -> list[ByteRange]:
     return [ByteRange(t.file, t.offset, t.nbytes, f"{label} {t.name}")
-            for t in (tensors.gate, tensors.up, tensors.down)]
+            for t in tensors.infos]
 
 
 class ExpertLoader:
@@ -50,15 +63,15 @@ class ExpertLoader:
         previous expert; the copy waits for it (the host releases leases before the GPU is
         done with them)."""
         start = time.perf_counter()
-        infos = (tensors.gate, tensors.up, tensors.down)
-        destinations = (pool.w13[index, :pool.inter], pool.w13[index, pool.inter:],
-                        pool.w2[index])
+        infos = tensors.infos
         cached = self.host_cache.get(cache_key) if self.host_cache else None
         if cached is not None:
             source = FROM_HOST
-            self._copy_in(destinations, _split(cached, infos), pool.device, last_use)
-        elif self.host_cache is None and _can_read_in_place(pool, infos):
+            self._copy_in(*_placed(pool, index, tensors, _split(cached, infos)), pool.device,
+                          last_use)
+        elif self.host_cache is None and _can_read_in_place(pool, index, tensors):
             source = FROM_DISK
+            destinations = [pool.destination(index, part.role) for part in tensors.parts]
             self.reader.read_into(expert_ranges(tensors, label), destinations)
         else:
             source = FROM_DISK
@@ -66,7 +79,7 @@ class ExpertLoader:
                    else self._staging(tensors.nbytes, pool.device))
             parts = _split(raw, infos)
             self.reader.read_into(expert_ranges(tensors, label), parts)
-            self._copy_in(destinations, parts, pool.device, last_use)
+            self._copy_in(*_placed(pool, index, tensors, parts), pool.device, last_use)
             if self.host_cache:
                 self.host_cache.put(cache_key, raw)
         return LoadResult(source, tensors.nbytes, time.perf_counter() - start)
@@ -97,8 +110,26 @@ class ExpertLoader:
         done.synchronize()     # blocks this I/O thread only; the slot commits after
 
 
-def _can_read_in_place(pool: SlotPool, infos) -> bool:
-    return pool.device.type == "cpu" and all(i.dtype == pool.dtype for i in infos)
+def _can_read_in_place(pool: SlotPool, index: int, tensors: ExpertTensors) -> bool:
+    if pool.device.type != "cpu" or any(p.role in MXFP4_ROLES for p in tensors.parts):
+        return False
+    return all(p.info.dtype == pool.dtype and pool.destination(index, p.role).is_contiguous()
+               for p in tensors.parts)
+
+
+def _placed(pool: SlotPool, index: int, tensors: ExpertTensors,
+            parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destination views, sources shaped like them) for one expert's stored parts; MXFP4
+    blocks and scales are decoded into the slot dtype first."""
+    by_role = {part.role: tensor for part, tensor in zip(tensors.parts, parts)}
+    if GATE_UP_BLOCKS in by_role:
+        by_role[GATE_UP_ROWS] = dequantize_mxfp4(by_role.pop(GATE_UP_BLOCKS),
+                                                 by_role.pop(GATE_UP_SCALES), pool.dtype)
+        by_role[DOWN] = dequantize_mxfp4(by_role.pop(DOWN_BLOCKS), by_role.pop(DOWN_SCALES),
+                                         pool.dtype)
+    destinations = [pool.destination(index, role) for role in by_role]
+    sources = [t.view(d.shape) for t, d in zip(by_role.values(), destinations)]
+    return destinations, sources
 
 
 def _split(raw: torch.Tensor, infos) -> list[torch.Tensor]:

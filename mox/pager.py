@@ -35,7 +35,7 @@ from mox.kernels import NOT_RESIDENT, MoEWorkspace
 from mox.loaders import Checkpoint
 from mox.loaders.stream import DEMAND, PREFETCH, StreamingReader
 from mox.rates import ExpertUsage
-from mox.slot_pool import SlotPool
+from mox.slot_pool import SlotPool, expert_nbytes
 
 PageInObserver = Callable[[str, float], None]      # (model, seconds) of each expert read
 
@@ -66,6 +66,8 @@ class Lease:
     slot_map: torch.Tensor
     w13: torch.Tensor
     w2: torch.Tensor
+    b13: torch.Tensor | None = None      # [S, 2I] expert biases, where the model has them
+    b2: torch.Tensor | None = None       # [S, H]
 
 
 @dataclass
@@ -99,7 +101,7 @@ class ExpertPager:
         moe_layers = [i for i, is_moe in enumerate(spec.moe_layers) if is_moe]
         num_slots = self._slots_for(name, spec, dtype, budget_bytes, len(moe_layers))
         pool = SlotPool(len(moe_layers), spec.num_experts, spec.hidden_size,
-                        spec.moe_intermediate_size, dtype, device, num_slots)
+                        spec.moe_intermediate_size, dtype, device, num_slots, spec.expert_bias)
         with self._lock:
             self._models[name] = _Model(
                 name, ckpt, pool, make_policy(policy), moe_layers, num_slots * pool.expert_nbytes,
@@ -113,7 +115,8 @@ class ExpertPager:
             return total
         if budget_bytes == 0:
             return 0                  # parked: a cold model holds no slots
-        per_expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+        per_expert = expert_nbytes(spec.hidden_size, spec.moe_intermediate_size, dtype,
+                                   spec.expert_bias)
         slots = min(budget_bytes // per_expert, total)
         if slots < spec.top_k:
             raise MoxError(
@@ -407,7 +410,8 @@ class ExpertPager:
                     slots: list[int]) -> Lease:
         assert all(m.pool.slots[i].pins > 0 for i in slots)
         return Lease(m.name, moe_layer, tuple(slots),
-                     m.pool.lease_map(list(zip(keys, slots))), m.pool.w13, m.pool.w2)
+                     m.pool.lease_map(list(zip(keys, slots))), m.pool.w13, m.pool.w2,
+                     m.pool.b13, m.pool.b2)
 
     def _drain(self, m: _Model) -> None:
         """Bring the pool back within budget: evict unleased experts past it, and resize the

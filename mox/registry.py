@@ -24,6 +24,7 @@ import msgspec
 from mox.errors import CheckpointError, InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders import Checkpoint
 from mox.loaders.repack import is_expert_major
+from mox.loaders.spec import EXPERTS_MXFP4
 from mox.tokenizer import TOKENIZER_FILE, Tokenizer
 
 REGISTRY_FILE = "registry.json"
@@ -89,10 +90,12 @@ def validate_checkpoint(path: str) -> CheckpointFacts:
                               f"has vocab_size {ckpt.spec.vocab_size}: ids would overflow")
     expert_bytes = sum(e.nbytes for e in ckpt.experts.values())
     some_expert = next(iter(ckpt.experts.values()), None)
-    dtype = some_expert.gate.dtype if some_expert else next(iter(ckpt.tensors.values())).dtype
+    dtype = some_expert.infos[0].dtype if some_expert else next(iter(ckpt.tensors.values())).dtype
+    dtype_name = ("mxfp4" if ckpt.spec.expert_storage == EXPERTS_MXFP4
+                  else str(dtype).removeprefix("torch."))
     return CheckpointFacts(
         path=ckpt.path, architecture=ckpt.spec.model_type,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name,
         dense_bytes=sum(i.nbytes for i in ckpt.tensors.values()) - expert_bytes,
         expert_bytes=expert_bytes, num_experts=ckpt.spec.num_experts,
         num_layers=ckpt.spec.num_layers, num_moe_layers=ckpt.spec.num_moe_layers,

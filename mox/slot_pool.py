@@ -1,6 +1,7 @@
-"""One model's expert slot pool: `w13 [S, 2I, H]`, `w2 [S, H, I]` on the compute device, any slot
-able to hold any (MoE layer, expert), and the residency table `slot_of [L, E]` that the fused
-kernel reads weights through (NOT_RESIDENT where an expert has no slot).
+"""One model's expert slot pool: `w13 [S, 2I, H]`, `w2 [S, H, I]` (and the biases `b13 [S, 2I]`,
+`b2 [S, H]` of models whose experts have them) on the compute device, any slot able to hold
+any (MoE layer, expert), and the residency table `slot_of [L, E]` that the fused kernel reads
+weights through (NOT_RESIDENT where an expert has no slot).
 
 A slot is free, loading (reserved and pinned while its bytes arrive; not yet in `slot_of`, so
 no kernel can read half an expert) or resident. Pinned slots (leased, or loading) are never
@@ -19,6 +20,16 @@ import torch
 
 from mox.eviction import ExpertKey
 from mox.kernels import NOT_RESIDENT
+from mox.loaders.experts import (
+    DOWN,
+    DOWN_BIAS,
+    DOWN_T,
+    GATE,
+    GATE_UP_BIAS,
+    GATE_UP_ROWS,
+    GATE_UP_T,
+    UP,
+)
 
 
 @dataclass
@@ -36,9 +47,11 @@ class Slot:
 
 class SlotPool:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int,
-                 dtype: torch.dtype, device: torch.device, num_slots: int) -> None:
+                 dtype: torch.dtype, device: torch.device, num_slots: int,
+                 has_bias: bool = False) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden, self.inter, self.dtype, self.device = hidden, inter, dtype, device
+        self.has_bias = has_bias
         self.slot_of = torch.full((num_layers, num_experts), NOT_RESIDENT, dtype=torch.int32,
                                   device=device)                          # [L, E]
         self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
@@ -50,12 +63,41 @@ class SlotPool:
                                device=self.device)                        # [S, 2I, H]
         self.w2 = torch.empty(num_slots, self.hidden, self.inter, dtype=self.dtype,
                               device=self.device)                         # [S, H, I]
+        self.b13 = self.b2 = None
+        if self.has_bias:
+            self.b13 = torch.empty(num_slots, 2 * self.inter, dtype=self.dtype,
+                                   device=self.device)                    # [S, 2I]
+            self.b2 = torch.empty(num_slots, self.hidden, dtype=self.dtype,
+                                  device=self.device)                     # [S, H]
         self.slots = [Slot() for _ in range(num_slots)]
         self._num_occupied = 0
 
     @property
     def expert_nbytes(self) -> int:
-        return 3 * self.hidden * self.inter * self.dtype.itemsize
+        return expert_nbytes(self.hidden, self.inter, self.dtype, self.has_bias)
+
+    def destination(self, index: int, role: str) -> torch.Tensor:
+        """The view of slot `index` that a stored expert part of this `role` fills with one
+        `copy_(part.view(dst.shape))`: strided where the stored layout differs (GPT-OSS
+        stores gate_up transposed with gate and up interleaved)."""
+        inter, w13, w2 = self.inter, self.w13[index], self.w2[index]
+        if role == GATE:
+            return w13[:inter]                                            # [I, H]
+        if role == UP:
+            return w13[inter:]
+        if role == DOWN:
+            return w2                                                     # [H, I]
+        if role == GATE_UP_T:        # stored [H, 2I] = [H, I, (gate, up)]
+            return w13.view(2, inter, self.hidden).permute(2, 1, 0)
+        if role == GATE_UP_ROWS:     # stored [2I, H] = [I, (gate, up), H]
+            return w13.view(2, inter, self.hidden).transpose(0, 1)
+        if role == DOWN_T:           # stored [I, H]
+            return w2.t()
+        if role == GATE_UP_BIAS:     # stored [2I] = [I, (gate, up)]
+            return self.b13[index].view(2, inter).t()
+        if role == DOWN_BIAS:
+            return self.b2[index]
+        raise ValueError(f"no slot destination for expert part role {role!r}")
 
     @property
     def num_slots(self) -> int:
@@ -131,9 +173,13 @@ class SlotPool:
         a load writes into the tensors it saw when it started)."""
         assert not any(s.loading for s in self.slots) and self.target_slots > self.num_slots
         old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
+        old_b13, old_b2 = self.b13, self.b2
         self._allocate(self.target_slots)
         self.w13[:len(old_slots)].copy_(old_w13)
         self.w2[:len(old_slots)].copy_(old_w2)
+        if self.has_bias:
+            self.b13[:len(old_slots)].copy_(old_b13)
+            self.b2[:len(old_slots)].copy_(old_b2)
         self.slots[:len(old_slots)] = old_slots
         self._num_occupied = sum(s.key is not None for s in old_slots)
 
@@ -141,6 +187,7 @@ class SlotPool:
         """Rebuild at the target size holding the slots `keep` (quiet pool only)."""
         assert self.is_quiet and len(keep) <= self.target_slots
         old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
+        old_b13, old_b2 = self.b13, self.b2
         for slot in old_slots:
             if slot.key is not None and not slot.loading:
                 self._set_map(slot.key, NOT_RESIDENT)
@@ -148,6 +195,9 @@ class SlotPool:
         for new_index, old_index in enumerate(keep):
             self.w13[new_index].copy_(old_w13[old_index])
             self.w2[new_index].copy_(old_w2[old_index])
+            if self.has_bias:
+                self.b13[new_index].copy_(old_b13[old_index])
+                self.b2[new_index].copy_(old_b2[old_index])
             self.slots[new_index] = Slot(key=old_slots[old_index].key,
                                          prefetched=old_slots[old_index].prefetched)
             self._set_map(self.slots[new_index].key, new_index)
@@ -168,3 +218,8 @@ class SlotPool:
         mapped = sum(i != NOT_RESIDENT for row in self._slot_of_host for i in row)
         assert mapped == sum(s.key is not None and not s.loading for s in self.slots)
         assert self.slot_of.cpu().tolist() == self._slot_of_host, "device table out of sync"
+
+
+def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype, has_bias: bool) -> int:
+    """Bytes one expert takes in a slot: three weights, plus its biases where it has them."""
+    return (3 * hidden * inter + (2 * inter + hidden) * has_bias) * dtype.itemsize

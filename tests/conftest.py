@@ -49,9 +49,15 @@ CASES = {
         topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
         first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
+    # fused experts with biases, clamped SwiGLU (a low limit so it clamps), biased router,
+    # attention sinks, sliding and full layers, YaRN (its default rope)
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, intermediate_size=32, head_dim=16,
+                                sliding_window=6, swiglu_limit=1.0, rope_parameters=dict(
+                                    rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                    original_max_position_embeddings=64, truncate=False))),
 }
 # Tensors transformers initializes to constants (zeros): random in the tests, so they count.
-RANDOMIZED_SUFFIXES = ("e_score_correction_bias",)
+RANDOMIZED_SUFFIXES = ("e_score_correction_bias", "gate_up_proj_bias", "down_proj_bias")
 RANDOMIZED_SCALE = 0.1
 
 

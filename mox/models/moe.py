@@ -16,11 +16,13 @@ from mox.kernels import (
     sigmoid_grouped_topk,
     softmax_group_limited_topk,
     softmax_topk,
+    topk_softmax,
 )
 from mox.loaders.spec import (
     ROUTING_SIGMOID_GROUPED,
     ROUTING_SOFTMAX,
     ROUTING_SOFTMAX_GROUPED,
+    ROUTING_TOPK_SOFTMAX,
     ModelSpec,
 )
 from mox.models.experts import ModelExperts
@@ -45,6 +47,8 @@ def route(spec: ModelSpec, w: MoEWeights,
         logits = F.linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
     else:
         logits = F.linear(x, w.router, w.router_bias)
+    if router.scoring == ROUTING_TOPK_SOFTMAX:
+        return topk_softmax(logits, spec.top_k)
     if router.scoring == ROUTING_SIGMOID_GROUPED:
         return sigmoid_grouped_topk(logits, spec.top_k, w.correction_bias, router.n_group,
                                     router.topk_group, spec.norm_topk_prob,
@@ -73,7 +77,9 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
         # fp32 across waves, rounded once: the result does not depend on how many waves
         # residency split the step into (greedy output is the same cold or warm)
         part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
-                         backend="auto", workspace=experts.workspace, out_dtype=torch.float32)
+                         spec.activation, backend="auto", workspace=experts.workspace,
+                         out_dtype=torch.float32, b13=lease.b13, b2=lease.b2,
+                         swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
         out = part if out is None else out.add_(part)
     out = out.to(x.dtype)
     if w.shared_expert is None:

@@ -8,7 +8,7 @@ import torch
 
 from mox import LLM
 
-CASES = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+CASES = ("glm4_moe", "deepseek_v3", "deepseek_v2", "gpt_oss")
 NUM_TOKENS = 8
 
 

@@ -1,0 +1,115 @@
+"""The expert index: (layer, expert) -> the byte ranges of that expert's weights, each tagged
+with the role it plays in a slot (`w13 [2I, H]` gate rows then up rows, `w2 [H, I]`, and the
+biases `b13 [2I]`, `b2 [H]` where a model has them).
+
+Separately stored experts (Mixtral, Qwen, OLMoE, DeepSeek, GLM) are one tensor per
+projection, stored as the slot holds them. Fused checkpoints (GPT-OSS) hold all E experts in
+one `[E, ...]` tensor per projection: expert e's bytes are index e of each, one contiguous
+range, so the pager pages one expert of a fused tensor exactly as it pages a separate one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError
+from .layout import expert_tensors, fused_expert_tensors, is_fused
+from .safetensors_format import TensorInfo
+from .spec import EXPERTS_FUSED, ModelSpec
+
+# Roles: which slot tensor a part fills, and how its stored layout maps onto it.
+GATE, UP, DOWN = "gate", "up", "down"             # [I, H], [I, H], [H, I]: as the slot holds them
+GATE_UP_T = "gate_up_t"           # [H, 2I], columns gate_0, up_0, gate_1, ... (GPT-OSS)
+DOWN_T = "down_t"                 # [I, H] (GPT-OSS)
+GATE_UP_BIAS = "gate_up_bias"     # [2I], gate_0, up_0, gate_1, ... (GPT-OSS)
+DOWN_BIAS = "down_bias"           # [H]
+# MXFP4 (GPT-OSS as published): rows in output order (gate_up rows interleaved as above),
+# decoded on load (`loaders.mxfp4`) into the slot dtype
+GATE_UP_BLOCKS, GATE_UP_SCALES = "gate_up_blocks", "gate_up_scales"   # [2I, H/32, 16], [2I, H/32]
+DOWN_BLOCKS, DOWN_SCALES = "down_blocks", "down_scales"               # [H, I/32, 16], [H, I/32]
+GATE_UP_ROWS = "gate_up_rows"     # [2I, H], rows gate_0, up_0, gate_1, ...: decoded MXFP4
+MXFP4_ROLES = (GATE_UP_BLOCKS, GATE_UP_SCALES, DOWN_BLOCKS, DOWN_SCALES)
+
+_FUSED_ROLES = {"gate_up_proj": GATE_UP_T, "down_proj": DOWN_T,
+                "gate_up_proj_bias": GATE_UP_BIAS, "down_proj_bias": DOWN_BIAS,
+                "gate_up_proj_blocks": GATE_UP_BLOCKS, "gate_up_proj_scales": GATE_UP_SCALES,
+                "down_proj_blocks": DOWN_BLOCKS, "down_proj_scales": DOWN_SCALES}
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One piece of an expert's bytes. `info` names its tensor; for a fused tensor it is
+    this expert's slice (offset, size and shape of index e)."""
+
+    info: TensorInfo
+    role: str
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    parts: tuple[ExpertPart, ...]
+
+    @property
+    def infos(self) -> tuple[TensorInfo, ...]:
+        return tuple(part.info for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.info.nbytes for part in self.parts)
+
+    def part(self, role: str) -> TensorInfo:
+        for part in self.parts:
+            if part.role == role:
+                return part.info
+        raise KeyError(f"expert has no {role!r} part (roles: {[p.role for p in self.parts]})")
+
+    # separately stored experts: their three tensors by name
+    @property
+    def gate(self) -> TensorInfo:
+        return self.part(GATE)
+
+    @property
+    def up(self) -> TensorInfo:
+        return self.part(UP)
+
+    @property
+    def down(self) -> TensorInfo:
+        return self.part(DOWN)
+
+
+def expert_index(spec: ModelSpec, info: Callable[[str], TensorInfo]
+                 ) -> dict[tuple[int, int], ExpertTensors]:
+    """Every expert of every MoE layer; `info` looks a tensor up by name."""
+    moe_layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
+    if not is_fused(spec):
+        return {(layer, expert): ExpertTensors(tuple(
+                    ExpertPart(info(name), role) for name, role in
+                    zip(expert_tensors(spec, layer, expert), (GATE, UP, DOWN))))
+                for layer in moe_layers for expert in range(spec.num_experts)}
+    index = {}
+    for layer in moe_layers:
+        fused = [(info(name), _FUSED_ROLES[name.rsplit(".", 1)[1]])
+                 for name in fused_expert_tensors(spec, layer)]
+        if spec.expert_storage != EXPERTS_FUSED:
+            _check_mxfp4_dtypes(fused)
+        for expert in range(spec.num_experts):
+            index[layer, expert] = ExpertTensors(tuple(
+                ExpertPart(expert_slice(whole, expert), role) for whole, role in fused))
+    return index
+
+
+def expert_slice(info: TensorInfo, expert: int) -> TensorInfo:
+    """Index `expert` of an `[E, ...]` tensor: one contiguous byte range."""
+    size = info.nbytes // info.shape[0]
+    return TensorInfo(info.name, info.file, info.offset + expert * size, size, info.dtype,
+                      info.shape[1:])
+
+
+def _check_mxfp4_dtypes(fused: list[tuple[TensorInfo, str]]) -> None:
+    for whole, role in fused:
+        if role in MXFP4_ROLES and whole.dtype != torch.uint8:
+            raise CheckpointError(whole.file, f"MXFP4 tensor {whole.name!r} is {whole.dtype}, "
+                                  "expected U8")
