@@ -53,20 +53,18 @@ class RoutingStats(msgspec.Struct):
 
 
 @contextmanager
-def recording_routes(decoder) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """While open, every MoE block's top-k ids `[T, k]` are appended to its layer's list."""
+def recording_routes() -> Iterator[dict[int, list[torch.Tensor]]]:
+    """While open, every MoE block's top-k ids `[T, k]` are appended to its layer's list
+    (`route(spec, w: MoEWeights, x)`; the decoder's next-layer prefetch prediction holds its
+    own reference to `route`, so predictions are not recorded as choices)."""
     from mox.models import moe
 
-    layer_of = {id(layer.mlp.router): layer.mlp.moe_layer for layer in decoder.layers
-                if isinstance(layer.mlp, moe.MoEWeights)}
     calls: dict[int, list[torch.Tensor]] = defaultdict(list)
     original = moe.route
 
-    def recorded(spec, router, x):
-        weights, ids = original(spec, router, x)
-        layer = layer_of.get(id(router))
-        if layer is not None:
-            calls[layer].append(ids.to("cpu", torch.int64))
+    def recorded(spec, w, x):
+        weights, ids = original(spec, w, x)
+        calls[w.moe_layer].append(ids.to("cpu", torch.int64))
         return weights, ids
 
     moe.route = recorded
@@ -85,7 +83,7 @@ def record_sequences(path: str, prompts: list[list[int]],
     spec = llm.checkpoint.spec
     per_layer: dict[int, list[np.ndarray]] = defaultdict(list)
     for prompt in prompts:
-        with recording_routes(llm.model) as calls:
+        with recording_routes() as calls:
             llm.generate(prompt_token_ids=[prompt], max_tokens=max_tokens, temperature=0.0,
                          ignore_eos=True)
         for layer, chunks in calls.items():
@@ -146,4 +144,6 @@ def measure_routing(path: str, requests: list[RequestSpec], num_sequences: int,
     prompts = [spec.prompt_token_ids() for spec in chosen]
     max_tokens = min(ROUTING_MAX_TOKENS, max(spec.max_tokens for spec in chosen))
     per_layer, num_experts, top_k = record_sequences(path, prompts, max_tokens)
+    if not per_layer:
+        return None                  # nothing routed through the wrapper: not measurable
     return routing_statistics(model or path, per_layer, num_experts, top_k)
