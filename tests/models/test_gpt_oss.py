@@ -150,3 +150,25 @@ def test_mxfp4_needs_whole_blocks():
         parse_config(config)
     with pytest.raises(CheckpointError, match="quant_method 'fp8'"):
         parse_config({**config, "hidden_size": 64, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_slot_biases_follow_their_expert_through_grow_and_compact():
+    from mox.slot_pool import SlotPool
+
+    pool = SlotPool(1, 4, hidden=8, inter=4, dtype=torch.float32, device=torch.device("cpu"),
+                    num_slots=2, has_bias=True)
+    assert pool.expert_nbytes == (3 * 8 * 4 + 2 * 4 + 8) * 4
+    for slot, expert in enumerate((2, 3)):
+        pool.reserve(slot, (0, expert), prefetched=False)
+        pool.w13[slot], pool.b13[slot], pool.b2[slot] = expert, 10 * expert, 100 * expert
+        pool.commit(slot)
+        pool.slots[slot].pins = 0
+    pool.target_slots = 3
+    pool.grow()
+    pool.target_slots = 1
+    pool.compact([pool.lookup((0, 3))])
+    pool.check_integrity()
+    slot = pool.lookup((0, 3))
+    assert pool.num_slots == 1 and pool.lookup((0, 2)) == -1
+    assert (pool.w13[slot] == 3).all() and (pool.b13[slot] == 30).all()
+    assert (pool.b2[slot] == 300).all()
