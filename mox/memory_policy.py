@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mox.errors import MoxError
-from mox.planner import ModelDemand, plan_slots
+from mox.planner import ModelDemand, plan_slots, settle
 from mox.served_model import ModelState, ServedModel
 
 if TYPE_CHECKING:
@@ -103,8 +103,8 @@ class PlannedMemory(MemoryPolicy):
                                router.residency.slot_bytes(m.name), m.ckpt.spec.top_k,
                                router.pager.pool(m.name).target_slots)
                    for m in holding]
-        plan = plan_slots(demands, budget)
-        return {m.name: plan.slots.get(m.name, 0) for m in self.paged()}
+        slots = settle(plan_slots(demands, budget), demands)
+        return {m.name: slots.get(m.name, 0) for m in self.paged()}
 
 
 class EqualSplitMemory(MemoryPolicy):

@@ -26,6 +26,10 @@ import numpy as np
 # A held slot is kept unless a challenger is worth 25% more: enough to absorb the noise of
 # Poisson arrivals over a one-minute window, small enough to follow a real shift.
 HYSTERESIS = 0.25
+# Resizing a pool reallocates and copies all of it (tens of ms for a 100 MiB pool, on the
+# engine's thread): a planned change smaller than this share of the pool (or than top_k
+# slots) is not applied, unless the budget needs the room it frees.
+RESIZE_DEADBAND = 0.125
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,20 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
     assert plan.nbytes(by_name) <= budget_bytes, (plan, budget_bytes)
     assert all(0 <= n <= by_name[name].max_slots for name, n in slots.items())
     return plan
+
+
+def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
+    """The plan without its small resizes (`RESIZE_DEADBAND`); planned shrinks stay whenever
+    skipping them would not fit the budget, so the result never needs more than the plan."""
+    settled = {}
+    for d in demands:
+        planned, held = plan.slots[d.name], d.current_slots
+        small = abs(planned - held) < max(d.top_k, RESIZE_DEADBAND * held)
+        settled[d.name] = held if small and planned and held else planned
+    by_name = {d.name: d for d in demands}
+    if plan.budget_bytes is not None and Plan(settled, None).nbytes(by_name) > plan.budget_bytes:
+        settled = {n: min(settled[n], plan.slots[n]) for n in settled}
+    return settled
 
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:

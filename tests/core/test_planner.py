@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mox.planner import HYSTERESIS, ModelDemand, plan_slots
+from mox.planner import HYSTERESIS, ModelDemand, Plan, plan_slots, settle
 from mox.rates import DecayedRate, ExpertUsage, ModelTraffic
 
 NBYTES = 1000
@@ -104,3 +104,26 @@ def test_expert_usage_is_a_decayed_frequency():
     assert p[0, 3] > 0.9 and p[0, 0] < 0.1
     usage.record(0, [1], 1e6)                              # far later: weights rebase
     assert np.isfinite(usage.probabilities(1e6)).all()
+
+
+def test_small_resizes_are_not_applied_unless_the_budget_needs_them():
+    demands = [_demand("a", 1.0, current=12), _demand("b", 1.0, current=8)]
+    assert settle(Plan({"a": 12, "b": 8}, 20 * NBYTES), demands) == {"a": 12, "b": 8}
+    nudged = Plan({"a": 11, "b": 9}, 20 * NBYTES)
+    assert settle(nudged, demands) == {"a": 12, "b": 8}           # +-1: within the band
+    tight = Plan({"a": 11, "b": 9}, 19 * NBYTES)            # budget shrank by one
+    settled = settle(tight, demands)
+    assert sum(settled.values()) <= 19 and settled["a"] == 11
+    moved = Plan({"a": 4, "b": 16}, 20 * NBYTES)            # a real shift applies
+    assert settle(moved, demands) == {"a": 4, "b": 16}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
+       budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
+                                                              max_size=5))
+def test_settled_plans_never_exceed_the_budget(rates, budget_slots, current):
+    demands = [_demand(str(i), r, current=current[i]) for i, r in enumerate(rates)]
+    settled = settle(plan_slots(demands, budget_slots * NBYTES), demands)
+    assert sum(settled.values()) <= budget_slots
+    assert all(n == 0 or n >= 2 for n in settled.values())
