@@ -61,6 +61,11 @@ class IOPool:
         return future
 
     def _work(self) -> None:
+        # One intra-op thread here: an I/O thread's copies spreading over every core would
+        # fight the engine's forward for them (measured: 8x slower decode steps while
+        # experts page in, from OpenMP workers spinning on 2 cores). torch's setting is per
+        # thread under OpenMP, so the engine thread keeps all of its threads.
+        torch.set_num_threads(1)
         while (task := self._queue.get()).priority != _STOP:
             if not task.future.set_running_or_notify_cancel():
                 continue                                  # cancelled while queued

@@ -90,7 +90,10 @@ class WeightLoader:
 
     def __init__(self, wake: threading.Event) -> None:
         self.wake = wake
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load")
+        # one intra-op thread, as on the I/O threads: a load must not take the cores of
+        # the models that keep decoding meanwhile
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load",
+                                        initializer=torch.set_num_threads, initargs=(1,))
         self._landed: list[tuple[str, MoEDecoder | BaseException]] = []
         self._lock = threading.Lock()
 
