@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -212,7 +212,6 @@ class RunRecord:
     exit_code: int | None
     error: str | None = None
     load_average_1m: float | None = None
-    notes: list[str] = field(default_factory=list)
 
     def headline(self) -> str:
         if self.error:
