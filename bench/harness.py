@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from mox.bench.loadgen import LoadGenerator, MetricsScraper, replay
-from mox.bench.report import BenchConfig, Results, RunRecord, Suite, build_results, summarize_suite
+from mox.bench.results_schema import BenchConfig, Results, Suite
 from mox.bench.routing_stats import measure_routing
+from mox.bench.summaries import RunRecord, build_results, summarize_suite
 from mox.bench.workload import RequestSpec, SyntheticWorkload, TraceWorkload
 from mox.demo import ensure_demo_models
 from mox.registry import Registry, validate_checkpoint

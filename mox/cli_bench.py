@@ -42,7 +42,7 @@ def parse_slo(text: str | list[str]) -> tuple[float, float]:
 
 
 def bench_config(args: argparse.Namespace):
-    from mox.bench.report import SLO, BenchConfig
+    from mox.bench.results_schema import SLO, BenchConfig
     from mox.bench.workload import LengthDistribution
 
     mode = QUICK if args.quick else FULL

@@ -10,8 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from mox.bench.report import SLO, PolicyResult, Results, Summary, meets_slo, summary, targets
+from mox.bench.results_schema import SLO, PolicyResult, Results, Summary
 from mox.bench.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
+from mox.bench.summaries import meets_slo, summary, targets
 from mox.cli import main
 from mox.cli_bench import parse_slo
 from mox.errors import InvalidRequestError
@@ -69,7 +70,7 @@ def test_summary_goodput_rule_and_target_ratios():
     assert not meets_slo(fast, SLO(50, 1000))
 
     def policy(name, p99, goodput, throughput):
-        from mox.bench.report import Counts, Latency
+        from mox.bench.results_schema import Counts, Latency
 
         ttft = Summary(1, p99, p99, p99, p99)
         return PolicyResult(policy=name, counts=Counts(1, 1, 0, 0, 1, 1),
