@@ -38,6 +38,10 @@ from mox.rates import ExpertUsage
 from mox.slot_pool import SlotPool, expert_nbytes
 
 PageInObserver = Callable[[str, float], None]      # (model, seconds) of each expert read
+# Prefetch on a rising rate only experts clearly above uniform use: under near-uniform
+# routing the guesses cost reads that demand misses then queue behind (measured on the
+# 12-model load test: TPOT p50 1.28 s with them, 0.84 s without).
+POPULAR_OVER_UNIFORM = 2.0
 
 
 @dataclass
@@ -227,17 +231,19 @@ class ExpertPager:
                               protect={moe_layer, *protect_layers})
 
     def prefetch_popular(self, name: str, limit: int) -> int:
-        """Start loading up to `limit` of the model's most used experts that are not resident,
+        """Start loading up to `limit` of the model's popular experts (used at least
+        `POPULAR_OVER_UNIFORM` times as often as uniform routing would) that are not resident,
         into free slots only (nothing is evicted for a guess). Returns how many started."""
         m = self._models[name]
         with self._lock:
             if not m.usage.steps.any():
                 return 0                          # no history: any guess would be noise
             usage = m.usage.probabilities(self.clock())                         # [L, E]
+            popular = POPULAR_OVER_UNIFORM * m.usage.top_k / usage.shape[1]
             free = m.pool.target_slots - m.pool.num_occupied
             started = 0
             for flat in usage.ravel().argsort()[::-1]:
-                if started >= min(limit, free):
+                if started >= min(limit, free) or usage.flat[flat] < popular:
                     break
                 key = divmod(int(flat), usage.shape[1])
                 if m.pool.lookup(key) == NOT_RESIDENT and key not in m.inflight:

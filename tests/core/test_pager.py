@@ -268,3 +268,31 @@ def test_pager_state_machine(ckpt):
     PagerMachine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25,
                                               deadline=None)
     PagerMachine.TestCase().runTest()
+
+
+def test_prefetch_popular_takes_only_clearly_popular_experts(ckpt):
+    pager, name = new_pager(ckpt, num_slots=8)
+    for _ in range(20):                                    # layer 0 always uses experts 1, 2
+        for _lease in pager.waves(name, 0, [1, 2]):
+            pass
+        for _lease in pager.waves(name, 1, [3, 4]):
+            pass
+    pager.set_budget(name, 0)                              # parked, then back: a cold pool
+    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
+    started = pager.prefetch_popular(name, limit=8)
+    pager.wait_for_loads(name)
+    pool = pager.pool(name)
+    resident = {pool.slots[i].key for i in range(pool.num_slots) if pool.slots[i].key}
+    assert started == 4 and resident == {(0, 1), (0, 2), (1, 3), (1, 4)}
+    pager.check_integrity(name)
+
+
+def test_prefetch_popular_skips_uniform_usage(ckpt):
+    pager, name = new_pager(ckpt, num_slots=8)
+    num_experts = ckpt.spec.num_experts
+    for step in range(num_experts):                        # every expert equally often
+        for _lease in pager.waves(name, 0, [step, (step + 1) % num_experts]):
+            pass
+    pager.set_budget(name, 0)
+    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
+    assert pager.prefetch_popular(name, limit=8) == 0
