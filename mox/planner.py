@@ -85,7 +85,7 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
     for d in demands:
         planned, held = plan.slots[d.name], d.current_slots
         small = abs(planned - held) < max(d.top_k, RESIZE_DEADBAND * held)
-        settled[d.name] = held if small and planned and held else planned
+        settled[d.name] = held if small and planned and held >= d.top_k else planned
     by_name = {d.name: d for d in demands}
     if plan.budget_bytes is not None and Plan(settled, None).nbytes(by_name) > plan.budget_bytes:
         settled = {n: min(settled[n], plan.slots[n]) for n in settled}
