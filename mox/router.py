@@ -136,7 +136,7 @@ class Router:
 
     def remove_model(self, name: str) -> list[RequestOutput]:
         """Stop serving the model: its requests abort, its memory is freed."""
-        model = self._served(name)
+        model = self.models.get(name) or self.served(name)
         gone = ModelNotFoundError(f"model {name!r} was removed")
         outputs = [out for rid in [r for r, t in self._requests.items() if t.model == name]
                    if (out := self.abort(rid, gone)) is not None]
@@ -154,7 +154,7 @@ class Router:
     def warm_up(self, name: str, whole: bool | None = None) -> None:
         """Load the model now and wait for it (the offline LLM's start-up); `whole`: every
         expert too (None: as the policy loads models)."""
-        model = self._served(name)
+        model = self.models.get(name) or self.served(name)
         if model.state == ModelState.COLD:
             self._start_load(model, whole)
         while model.state == ModelState.LOADING:
@@ -164,17 +164,19 @@ class Router:
         if model.state == ModelState.FAILED:
             raise ModelUnavailableError(model.error)
 
-    def _served(self, name: str) -> ServedModel:
+    def served(self, name: str) -> ServedModel:
+        """The model by name; ModelNotFoundError if unknown, ModelUnavailableError (with the
+        reason) if it failed to open or load."""
         model = self.models.get(name)
         if model is None:
             raise ModelNotFoundError(f"model {name!r} is not served")
+        if model.state == ModelState.FAILED:
+            raise ModelUnavailableError(f"model {name!r} failed to load: {model.error}")
         return model
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        model = self._served(request.model)
-        if model.state == ModelState.FAILED:
-            raise ModelUnavailableError(f"model {model.name!r} failed to load: {model.error}")
+        model = self.served(request.model)
         self._admit(model)
         self.engine.add_request(request)            # validates the prompt
         now = self.clock()
@@ -244,12 +246,9 @@ class Router:
         now = self.clock()
         due = [t.arrival + self.config.queue_timeout_s
                for t in self._requests.values() if not t.started]
-        holding = [m for m in self.models.values() if m.holds_device_memory]
-        if holding:
+        if any(m.holds_device_memory for m in self.models.values()):
             due.append(self._next_plan)
-            if not self.policy.pins_models:
-                due += [m.last_active + self.config.dense_idle_s for m in holding
-                        if m.state == ModelState.WARM and not self.has_requests(m.name)]
+        due += [t for m in self.models.values() if (t := self._park_at(m)) is not None]
         return max(0.0, min(due) - now) if due else None
 
     def _account(self, outputs: list[RequestOutput]) -> None:
@@ -324,11 +323,17 @@ class Router:
         ids = [rid for rid, t in self._requests.items() if t.model == model.name]
         return [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
 
+    def _park_at(self, model: ServedModel) -> float | None:
+        """When the model is due to be parked for idleness (None: not while it stays so)."""
+        if (model.state != ModelState.WARM or self.policy.pins_models
+                or self.has_requests(model.name)):
+            return None
+        return model.last_active + self.config.dense_idle_s
+
     def _park_idle(self, now: float) -> None:
-        for model in self.models.values():
-            if (model.state == ModelState.WARM and not self.has_requests(model.name)
-                    and now - model.last_active > self.config.dense_idle_s
-                    and not self.policy.pins_models):
+        for model in list(self.models.values()):
+            due = self._park_at(model)
+            if due is not None and now > due:
                 self.park(model)
 
     def park(self, model: ServedModel) -> None:

@@ -11,20 +11,19 @@ in-flight requests a grace period, abort the rest, and exit 0.
 from __future__ import annotations
 
 import asyncio
-import calendar
 import logging
 import signal
 import sys
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from datetime import datetime
 
 from mox.engine.async_engine import AsyncEngine
 from mox.engine.sequence import Request, RequestOutput
-from mox.errors import ModelNotFoundError, ModelUnavailableError
 from mox.registry import ModelEntry, Registry
 from mox.router import Router, RouterConfig
-from mox.served_model import ModelState, ServedModel
+from mox.served_model import ModelState
 from mox.server.app import create_app, start_server
 from mox.server.backend import ModelInfo, PageInObserver
 from mox.server.chat_template import ChatTemplate
@@ -58,19 +57,11 @@ class RouterBackend:
         return [ModelInfo(name, m.state, self.created.get(name, now), m.error)
                 for name, m in list(self.router.models.items())]
 
-    def _model(self, name: str) -> ServedModel:
-        model = self.router.models.get(name)
-        if model is None:
-            raise ModelNotFoundError(f"model {name!r} is not served")
-        if model.state == ModelState.FAILED:
-            raise ModelUnavailableError(f"model {name!r} failed to load: {model.error}")
-        return model
-
     def tokenizer(self, model: str) -> Tokenizer | None:
-        return self._model(model).tokenizer
+        return self.router.served(model).tokenizer
 
     def chat_template(self, model: str) -> ChatTemplate:
-        served = self._model(model)
+        served = self.router.served(model)
         if model not in self._templates:
             self._templates[model] = ChatTemplate.from_checkpoint(served.path)
         return self._templates[model]
@@ -121,8 +112,9 @@ class ServeOptions:
 
 
 def _unix(iso: str) -> int:
+    """The registry's ISO-8601 `added` as unix seconds (now, if unreadable)."""
     try:
-        return calendar.timegm(time.strptime(iso[:19], "%Y-%m-%dT%H:%M:%S"))
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
     except ValueError:
         return int(time.time())
 
