@@ -21,7 +21,7 @@ from mox.models import MoEDecoder
 from mox.pager import ExpertPager
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.sampling import SamplingParams
-from mox.served_model import ModelState, dense_nbytes, resolve_dtype
+from mox.served_model import ModelState, dense_nbytes, resolve_device, resolve_dtype
 from mox.tokenizer import Tokenizer
 from mox.units import parse_size
 
@@ -56,7 +56,7 @@ class LLM:
         if policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from "
                                       f"{ROUTER_POLICIES}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.checkpoint = Checkpoint(_checkpoint_path(model))
         self.name = self.checkpoint.path

@@ -51,6 +51,7 @@ from mox.served_model import (
     ServedModel,
     WeightLoader,
     open_served,
+    resolve_device,
     resolve_dtype,
 )
 
@@ -96,7 +97,7 @@ class Router:
                  on_page_in: PageInObserver | None = None) -> None:
         self.config = config
         self.clock = clock
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock,
                                 on_page_in)

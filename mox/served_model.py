@@ -126,6 +126,15 @@ class WeightLoader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"cuda" -> "cuda:N" (the current device): tensors report an indexed device, and a
+    model's parts are compared by device."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if resolved not in DTYPES.values():

@@ -47,6 +47,8 @@ def test_matches_transformers_gpt_oss_experts():
     config = AutoConfig.for_model("gpt_oss", hidden_size=hidden, intermediate_size=inter,
                                   num_local_experts=num_experts, swiglu_limit=LIMIT)
     module = GptOssExperts(config)
+    # older transformers (5.17 seen) hard-code alpha 1.702 and limit 7.0 instead of reading the config
+    module.alpha, module.limit = ALPHA, LIMIT
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in module.parameters():
@@ -64,7 +66,8 @@ def test_matches_transformers_gpt_oss_experts():
     slots = torch.arange(num_experts, dtype=torch.int32)
     actual = fused_moe(x, w13.contiguous(), w2, weights, ids.to(torch.int32), slots,
                        "clamped_swiglu", backend="torch", b13=b13,
-                       b2=module.down_proj_bias.detach(), swiglu_limit=LIMIT)
+                       b2=module.down_proj_bias.detach(), swiglu_alpha=ALPHA,
+                       swiglu_limit=LIMIT)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
