@@ -93,16 +93,22 @@ def hf_decode_tok_s(path: str) -> dict:
     for num_seqs in (1, 8, 32):
         ids = torch.tensor(prompts(num_seqs, 8), device="cuda")
 
-        def run(new: int):
+        def run(new: int, ids: torch.Tensor = ids):
             return lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new,
                                           do_sample=False, attention_mask=torch.ones_like(ids))
         with torch.inference_mode():
             run(2)()
             decode = timed(run(DECODE_TOKENS + 1)) - timed(run(1))
         out[num_seqs] = num_seqs * DECODE_TOKENS / decode
-    del model
+    model.to("cpu")
     torch.cuda.empty_cache()
     return out
+
+
+def prefill_seconds(llm: LLM) -> float:
+    prompt = list(range(100, 356))
+    timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=4))         # warm-up
+    return timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=1))
 
 
 def profile_step(llm: LLM) -> list[str]:
@@ -124,10 +130,7 @@ def speed(home: str) -> dict:
                           ("25% of experts, host cache", {"expert_memory": "400MiB",
                                                           "host_memory": "2GiB"})]:
         llm = LLM(path, device="cuda", dtype="bfloat16", **kwargs)
-        prompt = list(range(100, 356))
-        timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=4))     # warm-up
-        prefill = timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=1))
-        row = {"config": label, "prefill_256_s": prefill}
+        row = {"config": label, "prefill_256_s": prefill_seconds(llm)}
         for num_seqs in (1, 8, 32):
             row[f"decode_tok_s_{num_seqs}"] = mox_decode_tok_s(llm, num_seqs)
         stats = llm.pager_stats()
@@ -137,7 +140,7 @@ def speed(home: str) -> dict:
         rows.append(row)
         if not profile_lines:
             profile_lines = profile_step(llm)
-        del llm
+        llm.router.shutdown()
         torch.cuda.empty_cache()
     hf = hf_decode_tok_s(path)
     print({"transformers_decode_tok_s": hf}, flush=True)

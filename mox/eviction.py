@@ -3,13 +3,16 @@
 Interface (all calls under the pager's lock, so implementations need no locking):
     on_access(key, now)   the expert was used by a step (a hit or a completed load)
     on_evict(key)         the expert left the pool
-    victim(candidates, now) -> key   choose among unleased resident experts (non-empty)
-    score(key, now) -> float         how much the pool wants to keep it (higher = keep)
+    victims(candidates, count, now) -> keys   the `count` (or fewer) of these unleased
+                                              resident experts to evict first
+    score(key, now) -> float         how much the pool wants to keep it (higher = keep;
+                                     comparable within one pool at one `now`)
 Keys are (moe_layer, expert).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,8 +34,9 @@ class EvictionPolicy:
     def score(self, key: ExpertKey, now: float) -> float:
         raise NotImplementedError
 
-    def victim(self, candidates: Iterable[ExpertKey], now: float) -> ExpertKey:
-        return min(candidates, key=lambda key: self.score(key, now))
+    def victims(self, candidates: Iterable[ExpertKey], count: int,
+                now: float) -> list[ExpertKey]:
+        return heapq.nsmallest(count, candidates, key=lambda key: self.score(key, now))
 
 
 @dataclass
@@ -68,24 +72,35 @@ class LFUPolicy(EvictionPolicy):
 @dataclass
 class RatePolicy(EvictionPolicy):
     """Model request rate x exponentially decayed activation frequency of the expert. Within
-    one pool the rate scales every score alike; it matters when the router compares models."""
+    one pool the rate scales every score alike; it matters when the router compares models.
+
+    Every frequency decays by the same factor, so the pool's order never changes between
+    accesses: each expert keeps `log(frequency) + now * ln2 / half_life` as of its last
+    access, and a score is one lookup (victim choice scans every slot of the pool)."""
 
     half_life_s: float = RATE_HALF_LIFE_S
     request_rate: float = 1.0
-    freq: dict[ExpertKey, tuple[float, float]] = field(default_factory=dict)   # value, at time
+    log_freq: dict[ExpertKey, float] = field(default_factory=dict)   # shifted, see above
 
-    def _decayed(self, key: ExpertKey, now: float) -> float:
-        value, at = self.freq.get(key, (0.0, now))
-        return value * 0.5 ** ((now - at) / self.half_life_s)
+    def _growth(self, now: float) -> float:
+        return now * math.log(2.0) / self.half_life_s
+
+    def frequency(self, key: ExpertKey, now: float) -> float:
+        """Decayed activations of `key` at `now` (1 per use, halving every half-life)."""
+        shifted = self.log_freq.get(key)
+        return 0.0 if shifted is None else math.exp(shifted - self._growth(now))
 
     def on_access(self, key: ExpertKey, now: float) -> None:
-        self.freq[key] = (self._decayed(key, now) + 1.0, now)
+        self.log_freq[key] = math.log(self.frequency(key, now) + 1.0) + self._growth(now)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        pass                      # the history stays: a popular expert comes back popular
 
     def set_rate(self, requests_per_s: float) -> None:
         self.request_rate = requests_per_s
 
     def score(self, key: ExpertKey, now: float) -> float:
-        return self.request_rate * self._decayed(key, now)
+        return self.log_freq.get(key, -math.inf)
 
 
 def make_policy(name: str) -> EvictionPolicy:

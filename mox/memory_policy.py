@@ -101,7 +101,8 @@ class PlannedMemory(MemoryPolicy):
                                router.has_requests(m.name),
                                router.pager.usage(m.name).probabilities(now),
                                router.residency.slot_bytes(m.name), m.ckpt.spec.top_k,
-                               router.pager.pool(m.name).target_slots)
+                               router.pager.pool(m.name).target_slots,
+                               router.pager.resized_ago(m.name))
                    for m in holding]
         slots = settle(plan_slots(demands, budget), demands)
         return {m.name: slots.get(m.name, 0) for m in self.paged()}

@@ -19,6 +19,7 @@ Design note.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -86,6 +87,7 @@ class _Model:
     stats: PagerStats = field(default_factory=PagerStats)
     inflight: dict[ExpertKey, Future] = field(default_factory=dict)
     workspace: MoEWorkspace = field(default_factory=MoEWorkspace)
+    resized_at: float = -math.inf          # when set_budget last changed the slot count
 
 
 class ExpertPager:
@@ -133,6 +135,8 @@ class ExpertPager:
             m = self._models[name]
             slots = self._slots_for(name, m.ckpt.spec, m.pool.dtype, budget_bytes,
                                     len(m.moe_layers))
+            if slots != m.pool.target_slots:
+                m.resized_at = self.clock()
             m.pool.target_slots = slots
             m.budget_bytes = slots * m.pool.expert_nbytes
             self._drain(m)
@@ -251,6 +255,10 @@ class ExpertPager:
                                                      protect=set(range(len(m.moe_layers)))))
             return started
 
+    def resized_ago(self, name: str) -> float:
+        """Seconds since the model's slot count last changed."""
+        return self.clock() - self._models[name].resized_at
+
     def usage(self, name: str) -> ExpertUsage:
         return self._models[name].usage
 
@@ -312,16 +320,12 @@ class ExpertPager:
 
     def _has_room(self, m: _Model) -> bool:
         pool = m.pool
-        return bool(pool.evictable()) or (pool.num_occupied < pool.target_slots
-                                          and pool.free_slot() is not None)
+        return bool(pool.free_slots(1)) or any(s.is_evictable for s in pool.slots)
 
     def _start_loads(self, m: _Model, moe_layer: int, experts: list[int], prefetched: bool,
                      protect: set[int] | None = None) -> list[int]:
         started = []
-        for expert in experts:
-            index = self._claim_slot(m, protect)
-            if index is None:
-                break
+        for expert, index in zip(experts, self._claim_slots(m, len(experts), protect)):
             key = (moe_layer, expert)
             m.pool.reserve(index, key, prefetched)
             m.stats.prefetches += prefetched
@@ -332,18 +336,18 @@ class ExpertPager:
             started.append(expert)
         return started
 
-    def _claim_slot(self, m: _Model, protect: set[int] | None) -> int | None:
-        """A free slot within the budget, evicting the policy's victim if need be."""
+    def _claim_slots(self, m: _Model, count: int, protect: set[int] | None) -> list[int]:
+        """Up to `count` free slots within the budget, evicting the policy's victims (chosen
+        in one pass over the pool) if need be; experts of `protect` layers stay."""
         pool = m.pool
-        if pool.num_occupied < pool.target_slots and pool.free_slot() is not None:
-            return pool.free_slot()
-        candidates = [pool.slots[i].key for i in pool.evictable()]
-        if protect is not None:
-            candidates = [k for k in candidates if k[0] not in protect]
-        if not candidates:
-            return None
-        self._evict(m, m.policy.victim(candidates, self.clock()))
-        return pool.free_slot() if pool.num_occupied < pool.target_slots else None
+        short = count - len(pool.free_slots(count))
+        if short > 0:
+            candidates = [pool.slots[i].key for i in pool.evictable()]
+            if protect is not None:
+                candidates = [k for k in candidates if k[0] not in protect]
+            for key in m.policy.victims(candidates, short, self.clock()):
+                self._evict(m, key)
+        return pool.free_slots(count)
 
     def _evict(self, m: _Model, key: ExpertKey) -> None:
         index = m.pool.lookup(key)
@@ -423,8 +427,11 @@ class ExpertPager:
         """Bring the pool back within budget: evict unleased experts past it, and resize the
         tensors once nothing is pinned."""
         pool, now = m.pool, self.clock()
-        while pool.num_occupied > pool.target_slots and pool.evictable():
-            self._evict(m, m.policy.victim([pool.slots[i].key for i in pool.evictable()], now))
+        excess = pool.num_occupied - pool.target_slots
+        if excess > 0:
+            candidates = [pool.slots[i].key for i in pool.evictable()]
+            for key in m.policy.victims(candidates, excess, now):
+                self._evict(m, key)
         self._compact_if_quiet(m)
 
     def _compact_if_quiet(self, m: _Model) -> None:

@@ -30,6 +30,10 @@ HYSTERESIS = 0.25
 # engine's thread): a planned change smaller than this share of the pool (or than top_k
 # slots) is not applied, unless the budget needs the room it frees.
 RESIZE_DEADBAND = 0.125
+# ... and a pool resized less than this long ago keeps its size, unless a model that cannot
+# run yet needs the room: rates measured over a few arrivals swing whole working sets
+# between models, and each swing copies two pools.
+RESIZE_MIN_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class ModelDemand:
     expert_nbytes: int
     top_k: int
     current_slots: int = 0
+    resized_ago_s: float = float("inf")    # since the pool's size last changed
 
     @property
     def max_slots(self) -> int:
@@ -79,17 +84,31 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
 
 
 def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
-    """The plan without its small resizes (`RESIZE_DEADBAND`); planned shrinks stay whenever
-    skipping them would not fit the budget, so the result never needs more than the plan."""
+    """The plan without its small resizes (`RESIZE_DEADBAND`) and without resizing a pool
+    twice within `RESIZE_MIN_INTERVAL_S`. A model that can run keeps its slots then, and a
+    model that can run waits to grow until the room is free; if that is not enough (a model
+    that cannot run yet needs its floor), the planned shrinks apply. The result never needs
+    more than the budget."""
+    by_name = {d.name: d for d in demands}
     settled = {}
     for d in demands:
         planned, held = plan.slots[d.name], d.current_slots
         small = abs(planned - held) < max(d.top_k, RESIZE_DEADBAND * held)
-        settled[d.name] = held if small and planned and held >= d.top_k else planned
-    by_name = {d.name: d for d in demands}
-    if plan.budget_bytes is not None and Plan(settled, None).nbytes(by_name) > plan.budget_bytes:
-        settled = {n: min(settled[n], plan.slots[n]) for n in settled}
-    return settled
+        recent = d.resized_ago_s < RESIZE_MIN_INTERVAL_S
+        settled[d.name] = held if (small or recent) and planned and held >= d.top_k else planned
+    if plan.budget_bytes is None:
+        return settled
+
+    def fits(slots: dict[str, int]) -> bool:
+        return Plan(slots, None).nbytes(by_name) <= plan.budget_bytes
+
+    if fits(settled):
+        return settled
+    waiting = {n: min(k, by_name[n].current_slots) if by_name[n].current_slots >= by_name[n].top_k
+               else k for n, k in settled.items()}                    # growth waits
+    if fits(waiting):
+        return waiting
+    return {n: min(k, plan.slots[n]) for n, k in settled.items()}    # the shrinks apply
 
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:

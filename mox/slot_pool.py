@@ -122,12 +122,17 @@ class SlotPool:
                 return index
         return NOT_RESIDENT
 
-    def free_slot(self) -> int | None:
-        """An empty slot within the target size (slots past it are draining)."""
+    def free_slots(self, count: int) -> list[int]:
+        """Up to `count` empty slots that the budget allows filling now (slots past the
+        target size are draining; an over-budget pool has none)."""
+        count = min(count, self.target_slots - self._num_occupied)
+        found: list[int] = []
         for index in range(min(self.num_slots, self.target_slots)):
+            if len(found) >= count:
+                break
             if self.slots[index].key is None:
-                return index
-        return None
+                found.append(index)
+        return found
 
     def evictable(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s.is_evictable]
@@ -184,23 +189,22 @@ class SlotPool:
         self._num_occupied = sum(s.key is not None for s in old_slots)
 
     def compact(self, keep: list[int]) -> None:
-        """Rebuild at the target size holding the slots `keep` (quiet pool only)."""
+        """Rebuild at the target size holding the slots `keep` (quiet pool only): one gather
+        per tensor, and the residency table rewritten once."""
         assert self.is_quiet and len(keep) <= self.target_slots
-        old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
-        old_b13, old_b2 = self.b13, self.b2
-        for slot in old_slots:
-            if slot.key is not None and not slot.loading:
-                self._set_map(slot.key, NOT_RESIDENT)
+        old = [self.w13, self.w2, self.b13, self.b2]
+        old_slots = self.slots
         self._allocate(self.target_slots)
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for new_tensor, old_tensor in zip([self.w13, self.w2, self.b13, self.b2], old):
+            if new_tensor is not None:
+                torch.index_select(old_tensor, 0, rows, out=new_tensor[:len(keep)])
+        self._slot_of_host = [[NOT_RESIDENT] * self.num_experts for _ in range(self.num_layers)]
         for new_index, old_index in enumerate(keep):
-            self.w13[new_index].copy_(old_w13[old_index])
-            self.w2[new_index].copy_(old_w2[old_index])
-            if self.has_bias:
-                self.b13[new_index].copy_(old_b13[old_index])
-                self.b2[new_index].copy_(old_b2[old_index])
-            self.slots[new_index] = Slot(key=old_slots[old_index].key,
-                                         prefetched=old_slots[old_index].prefetched)
-            self._set_map(self.slots[new_index].key, new_index)
+            slot = old_slots[old_index]
+            self.slots[new_index] = Slot(key=slot.key, prefetched=slot.prefetched)
+            self._slot_of_host[slot.key[0]][slot.key[1]] = new_index
+        self.slot_of.copy_(torch.tensor(self._slot_of_host, dtype=torch.int32))
         self._num_occupied = len(keep)
 
     def check_integrity(self) -> None:

@@ -121,14 +121,20 @@ def test_policies_choose_their_victims():
         for policy in (lru, lfu, rate):
             policy.on_access(key, float(t))
     keys = [(0, 1), (0, 2), (0, 3)]
-    assert lru.victim(keys, 5.0) == (0, 2)                 # least recently used
-    assert lfu.victim(keys, 5.0) == (0, 2)                 # used once, earlier than (0, 3)
+    assert lru.victims(keys, 1, 5.0) == [(0, 2)]           # least recently used
+    assert lru.victims(keys, 2, 5.0) == [(0, 2), (0, 1)]
+    assert lfu.victims(keys, 1, 5.0) == [(0, 2)]           # used once, earlier than (0, 3)
     lfu.on_evict((0, 1))
     assert lfu.counts[(0, 1)] == 3                         # counts survive eviction
-    assert rate.victim(keys, 5.0) == (0, 2)
+    assert rate.victims(keys, 1, 5.0) == [(0, 2)]
+    assert rate.victims(keys + [(0, 9)], 1, 5.0) == [(0, 9)]       # never used goes first
     # decayed: after a long quiet spell, one fresh use beats three old ones
     rate.on_access((0, 3), 100.0)
-    assert rate.victim([(0, 1), (0, 3)], 100.0) == (0, 1)
+    assert rate.victims([(0, 1), (0, 3)], 1, 100.0) == [(0, 1)]
+    # the frequency halves every half-life: (0, 1) was used at t = 0, 2, 3
+    expected = sum(0.5 ** ((30.0 - t) / 10.0) for t in (0.0, 2.0, 3.0))
+    assert rate.frequency((0, 1), 30.0) == pytest.approx(expected)
+    assert rate.frequency((0, 7), 30.0) == 0.0
 
 
 def test_host_tier_serves_evicted_experts(ckpt):

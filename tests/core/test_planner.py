@@ -7,15 +7,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mox.planner import HYSTERESIS, ModelDemand, Plan, plan_slots, settle
+from mox.planner import (
+    HYSTERESIS,
+    RESIZE_MIN_INTERVAL_S,
+    ModelDemand,
+    Plan,
+    plan_slots,
+    settle,
+)
 from mox.rates import DecayedRate, ExpertUsage, ModelTraffic
 
 NBYTES = 1000
 
 
-def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, skew=1.0):
+def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, skew=1.0,
+            resized_ago_s=float("inf")):
     usage = np.tile((np.arange(experts, 0, -1) ** skew) / experts, (layers, 1))
-    return ModelDemand(name, rate, has_work, usage, NBYTES, top_k, current)
+    return ModelDemand(name, rate, has_work, usage, NBYTES, top_k, current, resized_ago_s)
 
 
 def test_slots_follow_the_rates():
@@ -118,12 +126,30 @@ def test_small_resizes_are_not_applied_unless_the_budget_needs_them():
     assert settle(moved, demands) == {"a": 4, "b": 16}
 
 
+def test_a_pool_is_not_resized_twice_within_the_interval():
+    recent = RESIZE_MIN_INTERVAL_S / 2
+    demands = [_demand("a", 1.0, current=12, resized_ago_s=recent),
+               _demand("b", 1.0, current=8)]
+    moved = Plan({"a": 4, "b": 16}, 20 * NBYTES)
+    assert settle(moved, demands) == {"a": 12, "b": 8}     # b can run: its growth waits
+    later = [_demand("a", 1.0, current=12, resized_ago_s=2 * RESIZE_MIN_INTERVAL_S),
+             _demand("b", 1.0, current=8)]
+    assert settle(moved, later) == {"a": 4, "b": 16}
+    # a model that cannot run yet gets its floor at once: a's planned shrink applies
+    newcomer = [_demand("a", 1.0, current=20, resized_ago_s=recent),
+                _demand("b", 1.0, current=0)]
+    assert settle(Plan({"a": 16, "b": 4}, 20 * NBYTES), newcomer) == {"a": 16, "b": 4}
+
+
 @settings(max_examples=60, deadline=None)
 @given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
        budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
-                                                              max_size=5))
-def test_settled_plans_never_exceed_the_budget(rates, budget_slots, current):
-    demands = [_demand(str(i), r, current=current[i]) for i, r in enumerate(rates)]
+                                                              max_size=5),
+       recent=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_settled_plans_never_exceed_the_budget(rates, budget_slots, current, recent):
+    demands = [_demand(str(i), r, current=current[i],
+                       resized_ago_s=0.0 if recent[i] else float("inf"))
+               for i, r in enumerate(rates)]
     settled = settle(plan_slots(demands, budget_slots * NBYTES), demands)
     assert sum(settled.values()) <= budget_slots
     assert all(n == 0 or n >= 2 for n in settled.values())

@@ -47,7 +47,7 @@ def test_matches_transformers_gpt_oss_experts():
     config = AutoConfig.for_model("gpt_oss", hidden_size=hidden, intermediate_size=inter,
                                   num_local_experts=num_experts, swiglu_limit=LIMIT)
     module = GptOssExperts(config)
-    # older transformers (5.17 seen) hard-code alpha 1.702 and limit 7.0 instead of reading the config
+    # older transformers (5.17 seen) hard-code alpha 1.702 and limit 7.0
     module.alpha, module.limit = ALPHA, LIMIT
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
