@@ -420,8 +420,7 @@ class ExpertPager:
                     slots: list[int]) -> Lease:
         assert all(m.pool.slots[i].pins > 0 for i in slots)
         return Lease(m.name, moe_layer, tuple(slots),
-                     m.pool.lease_map(list(zip(keys, slots))), m.pool.w13, m.pool.w2,
-                     m.pool.b13, m.pool.b2)
+                     m.pool.lease_map(list(zip(keys, slots))), *m.pool.in_use())
 
     def _drain(self, m: _Model) -> None:
         """Bring the pool back within budget: evict unleased experts past it, and resize the

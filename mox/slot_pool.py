@@ -5,15 +5,20 @@ weights through (NOT_RESIDENT where an expert has no slot).
 
 A slot is free, loading (reserved and pinned while its bytes arrive; not yet in `slot_of`, so
 no kernel can read half an expert) or resident. Pinned slots (leased, or loading) are never
-evicted. The pool grows in place (every expert keeps its slot) once no load is in flight, and
-shrinks by compacting residents into a smaller pool once nothing is pinned. Not thread-safe:
-the pager calls it under its lock.
+evicted. The pool grows with every expert keeping its slot (once no load is in flight), and
+shrinks once nothing is pinned. On a GPU both reallocate and copy. On the CPU the tensors are
+views of one anonymous mapping sized for every expert of the model, of which only the pages of
+slots in use are backed: growing adds slots without a copy, and shrinking moves only the
+residents above the new size into free slots below it and hands the tail's pages back to the
+OS (`madvise(MADV_DONTNEED)`), so moving budget between models copies almost nothing. Not
+thread-safe: the pager calls it under its lock.
 
 Legend: L MoE layers, E experts per layer, S slots, H hidden, I intermediate.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +50,26 @@ class Slot:
         return self.key is not None and self.pins == 0 and not self.loading
 
 
+class _Mapped:
+    """A CPU tensor over its own anonymous mapping: pages are backed on first write and can
+    be handed back (they read as zeros after)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        nbytes = max(1, dtype.itemsize * int(torch.Size(shape).numel()))
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                              | getattr(mmap, "MAP_NORESERVE", 0))
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes].view(
+            dtype).view(shape)
+        self.row_nbytes = nbytes // shape[0]
+
+    def release_rows(self, start: int, end: int) -> None:
+        """Give back the whole pages inside rows [start, end)."""
+        first = -(-start * self.row_nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end * self.row_nbytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 class SlotPool:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int,
                  dtype: torch.dtype, device: torch.device, num_slots: int,
@@ -56,21 +81,40 @@ class SlotPool:
                                   device=device)                          # [L, E]
         self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
         self.target_slots = num_slots
+        self._mapped: list[_Mapped] | None = None
+        if device.type == "cpu":                 # sized for every expert the model has
+            self._mapped = [_Mapped(shape, dtype)
+                            for shape in self._part_shapes(num_layers * num_experts)]
         self._allocate(num_slots)
 
-    def _allocate(self, num_slots: int) -> None:
-        self.w13 = torch.empty(num_slots, 2 * self.inter, self.hidden, dtype=self.dtype,
-                               device=self.device)                        # [S, 2I, H]
-        self.w2 = torch.empty(num_slots, self.hidden, self.inter, dtype=self.dtype,
-                              device=self.device)                         # [S, H, I]
-        self.b13 = self.b2 = None
+    def _part_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
+        shapes = [(num_slots, 2 * self.inter, self.hidden),                  # w13 [S, 2I, H]
+                  (num_slots, self.hidden, self.inter)]                      # w2 [S, H, I]
         if self.has_bias:
-            self.b13 = torch.empty(num_slots, 2 * self.inter, dtype=self.dtype,
-                                   device=self.device)                    # [S, 2I]
-            self.b2 = torch.empty(num_slots, self.hidden, dtype=self.dtype,
-                                  device=self.device)                     # [S, H]
+            shapes += [(num_slots, 2 * self.inter), (num_slots, self.hidden)]  # b13, b2
+        return shapes
+
+    def _allocate(self, num_slots: int) -> None:
+        if self._mapped is not None:
+            parts = [m.tensor for m in self._mapped]
+        else:
+            parts = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                     for shape in self._part_shapes(num_slots)]
+        self.w13, self.w2 = parts[0], parts[1]
+        self.b13, self.b2 = (parts[2], parts[3]) if self.has_bias else (None, None)
         self.slots = [Slot() for _ in range(num_slots)]
         self._num_occupied = 0
+
+    def in_use(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None]:
+        """w13, w2, b13, b2 over the slots of the current size (the mapped tensors span
+        every expert; a kernel sizes its per-slot work by the first dim)."""
+        n = self.num_slots
+        return (self.w13[:n], self.w2[:n], None if self.b13 is None else self.b13[:n],
+                None if self.b2 is None else self.b2[:n])
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
 
     @property
     def expert_nbytes(self) -> int:
@@ -177,33 +221,45 @@ class SlotPool:
         """Enlarge to the target size, every expert staying in its slot (no load in flight:
         a load writes into the tensors it saw when it started)."""
         assert not any(s.loading for s in self.slots) and self.target_slots > self.num_slots
-        old_w13, old_w2, old_slots = self.w13, self.w2, self.slots
-        old_b13, old_b2 = self.b13, self.b2
+        if self._mapped is not None:
+            self.slots += [Slot() for _ in range(self.target_slots - self.num_slots)]
+            return
+        old_parts, old_slots = self._parts(), self.slots
         self._allocate(self.target_slots)
-        self.w13[:len(old_slots)].copy_(old_w13)
-        self.w2[:len(old_slots)].copy_(old_w2)
-        if self.has_bias:
-            self.b13[:len(old_slots)].copy_(old_b13)
-            self.b2[:len(old_slots)].copy_(old_b2)
+        for new, old in zip(self._parts(), old_parts):
+            new[:len(old_slots)].copy_(old)
         self.slots[:len(old_slots)] = old_slots
         self._num_occupied = sum(s.key is not None for s in old_slots)
 
     def compact(self, keep: list[int]) -> None:
-        """Rebuild at the target size holding the slots `keep` (quiet pool only): one gather
-        per tensor, and the residency table rewritten once."""
+        """Shrink to the target size holding the slots `keep` (quiet pool only). Mapped: the
+        kept experts above the target move into free slots below it, and the tail's pages go
+        back. Otherwise: one gather per tensor into new, smaller tensors."""
         assert self.is_quiet and len(keep) <= self.target_slots
-        old = [self.w13, self.w2, self.b13, self.b2]
-        old_slots = self.slots
-        self._allocate(self.target_slots)
-        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for new_tensor, old_tensor in zip([self.w13, self.w2, self.b13, self.b2], old):
-            if new_tensor is not None:
-                torch.index_select(old_tensor, 0, rows, out=new_tensor[:len(keep)])
+        old_slots, size = self.slots, self.target_slots
+        if self._mapped is not None:
+            kept = set(keep)
+            holes = iter(i for i in range(size) if i not in kept)
+            moves = [(old, next(holes)) for old in keep if old >= size]
+            placed = {old: old for old in keep if old < size} | dict(moves)
+            for old, new in moves:
+                for part in self._parts():
+                    part[new].copy_(part[old])
+            for m in self._mapped:
+                m.release_rows(size, len(old_slots))
+            self.slots = [Slot() for _ in range(size)]
+        else:
+            old_parts = self._parts()
+            self._allocate(size)
+            rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+            for new, old in zip(self._parts(), old_parts):
+                torch.index_select(old, 0, rows, out=new[:len(keep)])
+            placed = {old: new for new, old in enumerate(keep)}
         self._slot_of_host = [[NOT_RESIDENT] * self.num_experts for _ in range(self.num_layers)]
-        for new_index, old_index in enumerate(keep):
-            slot = old_slots[old_index]
-            self.slots[new_index] = Slot(key=slot.key, prefetched=slot.prefetched)
-            self._slot_of_host[slot.key[0]][slot.key[1]] = new_index
+        for old, new in placed.items():
+            slot = old_slots[old]
+            self.slots[new] = Slot(key=slot.key, prefetched=slot.prefetched)
+            self._slot_of_host[slot.key[0]][slot.key[1]] = new
         self.slot_of.copy_(torch.tensor(self._slot_of_host, dtype=torch.int32))
         self._num_occupied = len(keep)
 

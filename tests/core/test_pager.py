@@ -115,6 +115,34 @@ def test_shrinking_budget_evicts_unleased_and_compacts(ckpt):
     assert pool.num_slots == 5
 
 
+def test_cpu_pools_resize_in_place_and_give_pages_back():
+    from mox.slot_pool import SlotPool
+    pool = SlotPool(2, 8, 1024, 512, torch.bfloat16, CPU, num_slots=6)
+    base = pool.w13.data_ptr()
+    for index in range(6):                                 # experts (0, 0..5) in slots 0..5
+        pool.reserve(index, (0, index), prefetched=False)
+        for part in pool._parts():
+            part[index].fill_(index + 1)
+        pool.commit(index)
+        pool.slots[index].pins -= 1
+    for index in (0, 2, 3):
+        pool.clear(index)
+    pool.target_slots = 3
+    pool.compact([1, 4, 5])                       # 1 stays; 4 and 5 move into 0 and 2
+    assert pool.w13.data_ptr() == base and pool.num_slots == 3
+    assert pool.in_use()[0].shape[0] == 3
+    for expert in (1, 4, 5):
+        index = pool.lookup((0, expert))
+        assert index < 3 and all(bool((part[index] == expert + 1).all())
+                                 for part in pool._parts())
+    assert not pool.w13[4:6].any()                # the tail's pages went back (read as zero)
+    pool.check_integrity()
+    pool.target_slots = 8
+    pool.grow()
+    assert pool.w13.data_ptr() == base and pool.num_slots == 8
+    assert all(pool.lookup((0, e)) != -1 for e in (1, 4, 5))
+
+
 def test_policies_choose_their_victims():
     lru, lfu, rate = LRUPolicy(), LFUPolicy(), RatePolicy(half_life_s=10.0)
     for t, key in enumerate([(0, 1), (0, 2), (0, 1), (0, 1), (0, 3)]):
