@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mox.loaders.spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
 from mox.models.attend import attend
 from mox.models.forward_batch import ForwardBatch
-from mox.models.layers import rms_norm
+from mox.models.layers import linear, rms_norm
 from mox.models.rotary import Rotary
 
 
@@ -38,9 +37,9 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
     """x `[T, H]` (the batch's new tokens, flattened) -> `[T, H]`; writes their K/V to the
     batch's KV store and attends over each token's own sequence."""
     num_tokens = x.shape[0]
-    q = F.linear(x, w.q, w.q_bias)                          # [T, h*d]
-    k = F.linear(x, w.k, w.k_bias)                          # [T, h_kv*d]
-    v = F.linear(x, w.v, w.v_bias)
+    q = linear(x, w.q, w.q_bias)                          # [T, h*d]
+    k = linear(x, w.k, w.k_bias)                          # [T, h_kv*d]
+    v = linear(x, w.v, w.v_bias)
     if spec.qk_norm == QK_NORM_FULL:
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
     if spec.clip_qkv is not None:
@@ -53,4 +52,4 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
     q, k = rotary.apply(q, k, batch.rotary_tables(rotary))
     batch.kv.write(layer, batch.slot_mapping, k, v)
     out = attend(batch, layer, q, spec.sliding_windows[layer], sinks=w.sinks)   # [T, h, d]
-    return F.linear(out.reshape(num_tokens, spec.num_heads * spec.head_dim), w.o, w.o_bias)
+    return linear(out.reshape(num_tokens, spec.num_heads * spec.head_dim), w.o, w.o_bias)

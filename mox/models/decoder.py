@@ -16,7 +16,7 @@ from mox.models.experts import ModelExperts
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
-from mox.models.layers import MLPWeights, rms_norm
+from mox.models.layers import MLPWeights, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
 from mox.models.moe import MoEWeights, moe_block, route
 from mox.models.rotary import Rotary
@@ -92,7 +92,7 @@ class MoEDecoder:
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]                                               # [S, H]
         x = rms_norm(x, self.final_norm, eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def _prefetch_next(self, current: MoEWeights, h: torch.Tensor) -> None:
         """The next MoE layer's router applied to this layer's input predicts its experts

@@ -11,6 +11,17 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one bf16 row on the CPU (batch-1 decode), where torch.mv streams the
+    weight faster than the GEMM F.linear dispatches to (measured here, 2 threads: 32000x512
+    1.3 vs 2.2 ms, 1024x1024 86 vs 134 us)."""
+    if x.shape[0] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    out = torch.mv(weight, x[0])[None]
+    return out if bias is None else out + bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32 (bf16 squares overflow precision), scale in the input dtype, as HF."""
     x32 = x.float()
@@ -27,4 +38,4 @@ class MLPWeights:
     down: torch.Tensor
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)

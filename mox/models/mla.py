@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from mox.loaders.spec import MLASpec, ModelSpec
 from mox.models.attend import attend
 from mox.models.forward_batch import ForwardBatch
-from mox.models.layers import rms_norm
+from mox.models.layers import linear, rms_norm
 from mox.models.rotary import Rotary
 
 # The reference builds the latent norms with RMSNorm's default eps, not the config's.
@@ -47,13 +46,13 @@ def mla_attention(spec: ModelSpec, w: MLAWeights, layer: int, x: torch.Tensor,
     """x `[T, H]` -> `[T, H]`; caches the new tokens' latents and attends."""
     mla, heads, num_tokens = spec.mla, spec.num_heads, x.shape[0]
     if w.q is not None:
-        q = F.linear(x, w.q)                                                  # [T, h*d_q]
+        q = linear(x, w.q)                                                  # [T, h*d_q]
     else:
-        q_latent = rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS)
-        q = F.linear(q_latent, w.q_b)
+        q_latent = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS)
+        q = linear(q_latent, w.q_b)
     q_nope, q_rope = q.view(num_tokens, heads, mla.qk_head_dim).split(
         [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)                 # [T, h, d_n|d_r]
-    compressed = F.linear(x, w.kv_a, w.kv_a_bias)                             # [T, r + d_r]
+    compressed = linear(x, w.kv_a, w.kv_a_bias)                             # [T, r + d_r]
     latent, k_rope = compressed.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
     latent = rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS)                   # [T, r]
     q_rope, k_rope = rotary.apply(q_rope, k_rope[:, None], batch.rotary_tables(rotary))
@@ -61,7 +60,7 @@ def mla_attention(spec: ModelSpec, w: MLAWeights, layer: int, x: torch.Tensor,
     query = torch.cat((q_nope, q_rope), dim=-1)                               # [T, h, d_q]
     out = attend(batch, layer, query, spec.sliding_windows[layer], scale=mla.softmax_scale,
                  expand=partial(_expand, mla, heads, w.kv_b))                 # [T, h, d_v]
-    return F.linear(out.reshape(num_tokens, heads * mla.v_head_dim), w.o, w.o_bias)
+    return linear(out.reshape(num_tokens, heads * mla.v_head_dim), w.o, w.o_bias)
 
 
 def _expand(mla: MLASpec, heads: int, kv_b: torch.Tensor, latents: torch.Tensor,
@@ -69,7 +68,7 @@ def _expand(mla: MLASpec, heads: int, kv_b: torch.Tensor, latents: torch.Tensor,
     """Cached latents `[N, 1, r]` and rope keys `[N, 1, d_r]` -> keys `[N, h, d_q]`, values
     `[N, h, d_v]`."""
     num = latents.shape[0]
-    kv = F.linear(latents[:, 0], kv_b).view(num, heads, mla.qk_nope_head_dim + mla.v_head_dim)
+    kv = linear(latents[:, 0], kv_b).view(num, heads, mla.qk_nope_head_dim + mla.v_head_dim)
     k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
     keys = torch.cat((k_nope, rope_keys.expand(num, heads, mla.qk_rope_head_dim)), dim=-1)
     return keys, values

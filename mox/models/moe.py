@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mox.kernels import (
     fused_moe,
@@ -26,7 +25,7 @@ from mox.loaders.spec import (
     ModelSpec,
 )
 from mox.models.experts import ModelExperts
-from mox.models.layers import MLPWeights
+from mox.models.layers import MLPWeights, linear
 
 
 @dataclass
@@ -44,9 +43,9 @@ def route(spec: ModelSpec, w: MoEWeights,
     """x `[T, H]` -> top-k weights `[T, k]` f32 and expert ids `[T, k]` int32."""
     router = spec.router
     if router.fp32:
-        logits = F.linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
+        logits = linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
     else:
-        logits = F.linear(x, w.router, w.router_bias)
+        logits = linear(x, w.router, w.router_bias)
     if router.scoring == ROUTING_TOPK_SOFTMAX:
         return topk_softmax(logits, spec.top_k)
     if router.scoring == ROUTING_SIGMOID_GROUPED:
@@ -86,5 +85,5 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
         return out
     if w.shared_expert_gate is None:
         return out + w.shared_expert(x)
-    gate = torch.sigmoid(F.linear(x, w.shared_expert_gate))              # [T, 1]
+    gate = torch.sigmoid(linear(x, w.shared_expert_gate))              # [T, 1]
     return out + gate * w.shared_expert(x)
