@@ -44,6 +44,7 @@ from mox import LLM
 from mox.demo import default_home, ensure_demo_models
 from mox.engine.sequence import Request
 from mox.loaders import Checkpoint
+from mox.models.layers import linear
 from mox.sampling import SamplingParams
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -142,7 +143,8 @@ def decode_step(llm: LLM, prompts: list[list[int]], force_loop: bool = False) ->
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.engine.step()
     spent = dict.fromkeys(("attention", "moe_block", "fused_moe"), 0.0)
-    patched = {"attention": decoder, "moe_block": decoder, "fused_moe": moe_module}
+    # the decoder holds its attention function (MHA or MLA) as an attribute
+    patched = {"attention": llm.model, "moe_block": decoder, "fused_moe": moe_module}
     originals = {name: getattr(module, name) for name, module in patched.items()}
 
     def timing(name: str):
@@ -177,7 +179,7 @@ def dense_gemms(llm: LLM, num_tokens: int) -> dict:
     gemms = {"attention_gemms_ms": [w for layer in model.layers for w in (
         layer.attention.q, layer.attention.k, layer.attention.v, layer.attention.o)],
         "other_gemms_ms": [model.lm_head] + [layer.mlp.router for layer in model.layers]}
-    return {name: statistics.median(timed(lambda ws=ws: [F.linear(x, w) for w in ws])) * 1e3
+    return {name: statistics.median(timed(lambda ws=ws: [linear(x, w) for w in ws])) * 1e3
             for name, ws in gemms.items()}
 
 
