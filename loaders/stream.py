@@ -26,6 +26,7 @@ import torch
 
 from .errors import CheckpointError
 from .safetensors_format import TensorInfo
+from .threads import use_one_thread
 
 DIRECT_IO_ALIGNMENT = 4096        # logical block size O_DIRECT needs for offset, length, address
 DEFAULT_IO_THREADS = 4            # NVMe needs a few reads in flight; more only adds contention
@@ -61,11 +62,7 @@ class IOPool:
         return future
 
     def _work(self) -> None:
-        # One intra-op thread here: an I/O thread's copies spreading over every core would
-        # fight the engine's forward for them (measured: 8x slower decode steps while
-        # experts page in, from OpenMP workers spinning on 2 cores). torch's setting is per
-        # thread under OpenMP, so the engine thread keeps all of its threads.
-        torch.set_num_threads(1)
+        use_one_thread()                    # see loaders/threads.py
         while (task := self._queue.get()).priority != _STOP:
             if not task.future.set_running_or_notify_cancel():
                 continue                                  # cancelled while queued

@@ -17,6 +17,7 @@ from mox.engine.engine import Engine
 from mox.engine.sequence import FinishReason, Request
 from mox.errors import InvalidRequestError, ModelUnavailableError, MoxError
 from mox.loaders import Checkpoint
+from mox.loaders.threads import use_compute_threads
 from mox.models import MoEDecoder
 from mox.pager import ExpertPager
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
@@ -77,6 +78,7 @@ class LLM:
         self.tokenizer: Tokenizer | None = served.tokenizer
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
+        use_compute_threads()        # the caller's thread runs the steps (loaders/threads.py)
 
     @property
     def engine(self) -> Engine:

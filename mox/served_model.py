@@ -19,6 +19,7 @@ import torch
 
 from mox.errors import CheckpointError, InvalidRequestError, MoxError
 from mox.loaders import Checkpoint
+from mox.loaders.threads import use_one_thread
 from mox.models import MoEDecoder
 from mox.models.experts import ModelExperts
 from mox.models.loading import load_model
@@ -90,10 +91,10 @@ class WeightLoader:
 
     def __init__(self, wake: threading.Event) -> None:
         self.wake = wake
-        # one intra-op thread, as on the I/O threads: a load must not take the cores of
-        # the models that keep decoding meanwhile
+        # one intra-op thread, as on the I/O threads (loaders/threads.py): a load must not
+        # take the cores of the models that keep decoding meanwhile
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+                                        initializer=use_one_thread)
         self._landed: list[tuple[str, MoEDecoder | BaseException]] = []
         self._lock = threading.Lock()
 

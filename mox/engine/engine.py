@@ -26,6 +26,7 @@ from mox.engine.sequence import (
 )
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
+from mox.loaders.threads import use_compute_threads
 from mox.models import MoEDecoder
 from mox.models.decoder import new_kv_store
 from mox.models.kv_store import KVStore
@@ -136,6 +137,7 @@ class Engine:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
+        use_compute_threads()            # workers' one-thread setting must not reach here
         batch = self.scheduler.schedule()
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
                    for s in self.scheduler.out_of_kv]

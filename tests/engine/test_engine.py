@@ -152,3 +152,26 @@ def test_padded_and_flat_attention_layouts_agree(hf_checkpoints):
     forward.padded = None                         # same batch, flat block-diagonal mask
     torch.testing.assert_close(models["mixtral"].forward_batch(forward), padded,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_worker_threads_do_not_lower_the_compute_threads(monkeypatch):
+    """A worker's torch.set_num_threads(1) reaches every thread that never set its own count
+    (OpenMP backend); the engine's step pins the compute count again."""
+    import threading
+
+    import mox.loaders.threads as threads
+    from mox import LLM
+    from mox.demo import demo_name, ensure_demo_models
+
+    before = torch.get_num_threads()
+    path = ensure_demo_models(None, "demo", 0.0, ("olmoe",))[demo_name("olmoe")]
+    monkeypatch.setattr(threads, "COMPUTE_THREADS", 3)
+    try:
+        llm = LLM(path, dtype="float32", expert_memory="2MiB")     # paging: I/O threads run
+        worker = threading.Thread(target=threads.use_one_thread)
+        worker.start()
+        worker.join()
+        llm.generate(prompt_token_ids=[[1, 2, 3]], max_tokens=4, ignore_eos=True)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
