@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from mox.loaders.threads import serving_compute_threads
     from mox.router import RouterConfig
     from mox.serve import ServeOptions, serve
     from mox.units import parse_size
@@ -58,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         device_memory=parse_size(args.device_memory), host_memory=parse_size(args.host_memory),
         kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
         max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
-        dense_idle_s=args.idle_timeout)
+        dense_idle_s=args.idle_timeout,
+        compute_threads=args.compute_threads or serving_compute_threads(args.device))
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config)
     return asyncio.run(serve(options))
@@ -88,6 +90,9 @@ def _add_serve_parser(sub) -> None:
                        help="seconds a request may wait before it is aborted")
     serve.add_argument("--idle-timeout", type=float, default=300.0,
                        help="seconds idle before a model's weights leave the device")
+    serve.add_argument("--compute-threads", type=int,
+                       help="torch threads for model steps (default: on a CPU all cores but "
+                            "one, which the expert I/O threads use; on a GPU all)")
     serve.set_defaults(func=_serve)
 
 

@@ -40,6 +40,7 @@ from mox.errors import (
     MoxError,
     RequestTimeoutError,
 )
+from mox.loaders.threads import COMPUTE_THREADS
 from mox.memory_policy import MemoryPolicy, make_memory_policy
 from mox.models.experts import ModelExperts
 from mox.models.loading import prefetch_by_default
@@ -77,6 +78,7 @@ class RouterConfig:
     max_waiting_per_model: int = 256
     max_waiting: int = 1024
     queue_timeout_s: float = 120.0
+    compute_threads: int | None = None    # torch intra-op threads for steps (None: all)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTER_POLICIES:
@@ -102,7 +104,8 @@ class Router:
         self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock,
                                 on_page_in)
         self.engine = Engine(config.kv_memory,
-                             config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens))
+                             config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens),
+                             compute_threads=config.compute_threads or COMPUTE_THREADS)
         self.policy: MemoryPolicy = make_memory_policy(config.policy, self)
         self.models: dict[str, ServedModel] = {}
         self.residency = Residency(self.pager, self.models, clock)

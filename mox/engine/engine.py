@@ -26,7 +26,7 @@ from mox.engine.sequence import (
 )
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
-from mox.loaders.threads import use_compute_threads
+from mox.loaders.threads import COMPUTE_THREADS, use_compute_threads
 from mox.models import MoEDecoder
 from mox.models.decoder import new_kv_store
 from mox.models.kv_store import KVStore
@@ -53,7 +53,9 @@ class _Live:
 
 class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 config: SchedulerConfig | None = None) -> None:
+                 config: SchedulerConfig | None = None,
+                 compute_threads: int = COMPUTE_THREADS) -> None:
+        self.compute_threads = compute_threads       # torch intra-op threads for steps
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
         self.models: dict[str, _Model] = {}
@@ -137,7 +139,8 @@ class Engine:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
-        use_compute_threads()            # workers' one-thread setting must not reach here
+        use_compute_threads(self.compute_threads)     # workers' one-thread setting must not
+                                                      # reach here (loaders/threads.py)
         batch = self.scheduler.schedule()
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
                    for s in self.scheduler.out_of_kv]

@@ -154,24 +154,33 @@ def test_padded_and_flat_attention_layouts_agree(hf_checkpoints):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_worker_threads_do_not_lower_the_compute_threads(monkeypatch):
+
+def test_a_router_steps_on_its_threads_whatever_a_worker_sets():
     """A worker's torch.set_num_threads(1) reaches every thread that never set its own count
-    (OpenMP backend); the engine's step pins the compute count again."""
+    (OpenMP backend): the engine's step pins the count it was given."""
     import threading
 
-    import mox.loaders.threads as threads
-    from mox import LLM
     from mox.demo import demo_name, ensure_demo_models
+    from mox.loaders.threads import COMPUTE_THREADS, serving_compute_threads, use_one_thread
+    from mox.router import Router, RouterConfig
 
+    assert serving_compute_threads("cuda") == COMPUTE_THREADS
+    assert serving_compute_threads("cpu") == max(1, COMPUTE_THREADS - 1)
     before = torch.get_num_threads()
     path = ensure_demo_models(None, "demo", 0.0, ("olmoe",))[demo_name("olmoe")]
-    monkeypatch.setattr(threads, "COMPUTE_THREADS", 3)
+    router = Router({"m": path}, RouterConfig(dtype="float32", compute_threads=3))
     try:
-        llm = LLM(path, dtype="float32", expert_memory="2MiB")     # paging: I/O threads run
-        worker = threading.Thread(target=threads.use_one_thread)
-        worker.start()
-        worker.join()
-        llm.generate(prompt_token_ids=[[1, 2, 3]], max_tokens=4, ignore_eos=True)
-        assert torch.get_num_threads() == 3
+        router.warm_up("m")
+        router.add_request(Request("r", "m", [1, 2, 3], SamplingParams(max_tokens=3)))
+        for _ in range(10):                                   # bounded
+            if not router.has_work:
+                break
+            worker = threading.Thread(target=use_one_thread)
+            worker.start()
+            worker.join()
+            router.step()
+            assert torch.get_num_threads() == 3
+        assert not router.has_work
     finally:
+        router.shutdown()
         torch.set_num_threads(before)
