@@ -85,17 +85,19 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
 
 def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
     """The plan without its small resizes (`RESIZE_DEADBAND`) and without resizing a pool
-    twice within `RESIZE_MIN_INTERVAL_S`. A model that can run keeps its slots then, and a
-    model that can run waits to grow until the room is free; if that is not enough (a model
-    that cannot run yet needs its floor), the planned shrinks apply. The result never needs
-    more than the budget."""
+    twice within `RESIZE_MIN_INTERVAL_S`, except to grow a pool below its working set (its
+    steps run in waves). A model with its working set keeps its slots then and waits to grow
+    until the room is free; if that is not enough (a model below its working set needs room),
+    the planned shrinks apply. The result never needs more than the budget."""
     by_name = {d.name: d for d in demands}
     settled = {}
     for d in demands:
         planned, held = plan.slots[d.name], d.current_slots
         small = abs(planned - held) < max(d.top_k, RESIZE_DEADBAND * held)
         recent = d.resized_ago_s < RESIZE_MIN_INTERVAL_S
-        settled[d.name] = held if (small or recent) and planned and held >= d.top_k else planned
+        # below its working set a step runs in waves: such a pool may always grow
+        hold = small or (recent and (planned < held or held >= d.working_set))
+        settled[d.name] = held if hold and planned and held >= d.top_k else planned
     if plan.budget_bytes is None:
         return settled
 
@@ -104,8 +106,9 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
 
     if fits(settled):
         return settled
-    waiting = {n: min(k, by_name[n].current_slots) if by_name[n].current_slots >= by_name[n].top_k
-               else k for n, k in settled.items()}                    # growth waits
+    waiting = {n: min(k, by_name[n].current_slots)
+               if by_name[n].current_slots >= by_name[n].working_set else k
+               for n, k in settled.items()}                           # growth waits
     if fits(waiting):
         return waiting
     return {n: min(k, plan.slots[n]) for n, k in settled.items()}    # the shrinks apply

@@ -139,6 +139,10 @@ def test_a_pool_is_not_resized_twice_within_the_interval():
     newcomer = [_demand("a", 1.0, current=20, resized_ago_s=recent),
                 _demand("b", 1.0, current=0)]
     assert settle(Plan({"a": 16, "b": 4}, 20 * NBYTES), newcomer) == {"a": 16, "b": 4}
+    # below its working set (top_k x layers = 4) a pool grows even if resized just now
+    small = [_demand("a", 1.0, current=12, resized_ago_s=recent),
+             _demand("b", 1.0, current=2, resized_ago_s=recent)]
+    assert settle(Plan({"a": 12, "b": 4}, 16 * NBYTES), small) == {"a": 12, "b": 4}
 
 
 @settings(max_examples=60, deadline=None)
