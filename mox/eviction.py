@@ -76,7 +76,8 @@ class RatePolicy(EvictionPolicy):
 
     Every frequency decays by the same factor, so the pool's order never changes between
     accesses: each expert keeps `log(frequency) + now * ln2 / half_life` as of its last
-    access, and a score is one lookup (victim choice scans every slot of the pool)."""
+    access, and a score is one lookup (victim choice scans every slot of the pool). The
+    history outlives eviction: a popular expert comes back popular."""
 
     half_life_s: float = RATE_HALF_LIFE_S
     request_rate: float = 1.0
@@ -92,9 +93,6 @@ class RatePolicy(EvictionPolicy):
 
     def on_access(self, key: ExpertKey, now: float) -> None:
         self.log_freq[key] = math.log(self.frequency(key, now) + 1.0) + self._growth(now)
-
-    def on_evict(self, key: ExpertKey) -> None:
-        pass                      # the history stays: a popular expert comes back popular
 
     def set_rate(self, requests_per_s: float) -> None:
         self.request_rate = requests_per_s

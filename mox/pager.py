@@ -340,13 +340,14 @@ class ExpertPager:
         """Up to `count` free slots within the budget, evicting the policy's victims (chosen
         in one pass over the pool) if need be; experts of `protect` layers stay."""
         pool = m.pool
-        short = count - len(pool.free_slots(count))
-        if short > 0:
-            candidates = [pool.slots[i].key for i in pool.evictable()]
-            if protect is not None:
-                candidates = [k for k in candidates if k[0] not in protect]
-            for key in m.policy.victims(candidates, short, self.clock()):
-                self._evict(m, key)
+        free = pool.free_slots(count)
+        if len(free) == count:
+            return free
+        candidates = [pool.slots[i].key for i in pool.evictable()]
+        if protect is not None:
+            candidates = [k for k in candidates if k[0] not in protect]
+        for key in m.policy.victims(candidates, count - len(free), self.clock()):
+            self._evict(m, key)
         return pool.free_slots(count)
 
     def _evict(self, m: _Model, key: ExpertKey) -> None:

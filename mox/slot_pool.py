@@ -58,8 +58,7 @@ class _Mapped:
         nbytes = max(1, dtype.itemsize * int(torch.Size(shape).numel()))
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                               | getattr(mmap, "MAP_NORESERVE", 0))
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes].view(
-            dtype).view(shape)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(dtype).view(shape)
         self.row_nbytes = nbytes // shape[0]
 
     def release_rows(self, start: int, end: int) -> None:

@@ -139,8 +139,8 @@ class Engine:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
-        use_compute_threads(self.compute_threads)     # workers' one-thread setting must not
-                                                      # reach here (loaders/threads.py)
+        # an I/O thread's one-thread setting leaks into this thread (loaders/threads.py)
+        use_compute_threads(self.compute_threads)
         batch = self.scheduler.schedule()
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
                    for s in self.scheduler.out_of_kv]
