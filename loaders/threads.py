@@ -6,8 +6,8 @@ in, from OpenMP workers spinning on 2 cores). But with torch's OpenMP backend a 
 `torch.set_num_threads(1)` also lowers the count of every thread that never set its own
 (measured: the engine and the offline `LLM` caller fell to one thread, and their matmuls ran
 2x slower). So compute threads pin their own count to what the process had when this module
-was imported, before any worker existed (or to the count they are given: `mox serve` leaves
-one core to the I/O threads on a CPU, see `serving_compute_threads`).
+was imported, before any worker existed (or to the count they are given:
+`mox serve --compute-threads`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,3 @@ def use_compute_threads(count: int = COMPUTE_THREADS) -> None:
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
 
-
-def serving_compute_threads(device: str) -> int:
-    """A server on the CPU pages experts while it computes: its I/O threads' copies and a
-    forward on every core slow each other down (measured on 2 cores: bf16 GEMV 15 GB/s alone,
-    7.9 with a copier beside 2 compute threads, 9.0 beside 1; 8 bench-size models under
-    `mox bench`: rate's p99 TTFT 4.7 s with 1 compute thread, 8.1 s with 2). So it leaves
-    one core to them; on a GPU the host threads only launch work."""
-    return COMPUTE_THREADS if device.startswith("cuda") else max(1, COMPUTE_THREADS - 1)

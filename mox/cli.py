@@ -48,7 +48,6 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from mox.loaders.threads import serving_compute_threads
     from mox.router import RouterConfig
     from mox.serve import ServeOptions, serve
     from mox.units import parse_size
@@ -60,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
         max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
         dense_idle_s=args.idle_timeout,
-        compute_threads=args.compute_threads or serving_compute_threads(args.device))
+        compute_threads=args.compute_threads)
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config)
     return asyncio.run(serve(options))
@@ -91,8 +90,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--idle-timeout", type=float, default=300.0,
                        help="seconds idle before a model's weights leave the device")
     serve.add_argument("--compute-threads", type=int,
-                       help="torch threads for model steps (default: on a CPU all cores but "
-                            "one, which the expert I/O threads use; on a GPU all)")
+                       help="torch threads for model steps (default: every core)")
     serve.set_defaults(func=_serve)
 
 
