@@ -69,9 +69,8 @@ class ExpertLoader:
             source = FROM_HOST
             self._copy_in(*_placed(pool, index, tensors, _split(cached, infos)), pool.device,
                           last_use)
-        elif self.host_cache is None and _can_read_in_place(pool, index, tensors):
+        elif self.host_cache is None and (destinations := _in_place(pool, index, tensors)):
             source = FROM_DISK
-            destinations = [pool.destination(index, part.role) for part in tensors.parts]
             self.reader.read_into(expert_ranges(tensors, label), destinations)
         else:
             source = FROM_DISK
@@ -110,11 +109,14 @@ class ExpertLoader:
         done.synchronize()     # blocks this I/O thread only; the slot commits after
 
 
-def _can_read_in_place(pool: SlotPool, index: int, tensors: ExpertTensors) -> bool:
-    if pool.device.type != "cpu" or any(p.role in MXFP4_ROLES for p in tensors.parts):
-        return False
-    return all(p.info.dtype == pool.dtype and pool.destination(index, p.role).is_contiguous()
-               for p in tensors.parts)
+def _in_place(pool: SlotPool, index: int, tensors: ExpertTensors) -> list[torch.Tensor]:
+    """The slot's views that the stored parts can be read straight into, or [] if any part
+    needs a decode, a conversion or a strided copy."""
+    if pool.device.type != "cpu" or any(p.role in MXFP4_ROLES or p.info.dtype != pool.dtype
+                                        for p in tensors.parts):
+        return []
+    destinations = [pool.destination(index, p.role) for p in tensors.parts]
+    return destinations if all(d.is_contiguous() for d in destinations) else []
 
 
 def _placed(pool: SlotPool, index: int, tensors: ExpertTensors,
