@@ -8,7 +8,8 @@ Design note.
 - A request for a cold model queues in the engine at once; the model's dense weights load
   on the loader thread (after parking idle models if room is short) while the other models
   keep stepping; the plan gives it experts at once and, while its rate rises, its most used
-  experts are prefetched. It runs from the first step after its weights land.
+  experts are prefetched (where prefetch is on: a GPU by default). It runs from the first
+  step after its weights land.
 - Every `plan_period_s` (and when a model starts loading or lands) the memory policy
   recomputes each warm model's expert slots; the pager applies them, evicting only unleased
   experts. Shrinks are applied before grows so the sum never passes the budget.
@@ -71,7 +72,7 @@ class RouterConfig:
     host_memory: int | None = None        # RAM cache of expert bytes (None: off)
     kv_memory: int = 1 << 30
     max_batched_tokens: int = 256
-    prefetch: bool | None = None          # next-layer expert prefetch (None: on for CUDA)
+    prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
     direct_io: bool = False
     plan_period_s: float = 1.0
     dense_idle_s: float = 300.0           # a warm model idle this long is parked
@@ -108,7 +109,10 @@ class Router:
                              compute_threads=config.compute_threads or COMPUTE_THREADS)
         self.policy: MemoryPolicy = make_memory_policy(config.policy, self)
         self.models: dict[str, ServedModel] = {}
-        self.residency = Residency(self.pager, self.models, clock)
+        # predictive prefetch (next layer's experts, popular experts into grown pools)
+        self.prefetch = (config.prefetch if config.prefetch is not None
+                         else prefetch_by_default(self.device))
+        self.residency = Residency(self.pager, self.models, clock, prefetch=self.prefetch)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
         self._requests: dict[str, _Tracked] = {}
@@ -301,9 +305,7 @@ class Router:
         model.num_loads += 1
         whole = self.policy.loads_whole_models if whole is None else whole
         self.replan()                                 # its dense bytes count from now on
-        prefetch = (self.config.prefetch if self.config.prefetch is not None
-                    else prefetch_by_default(self.device))
-        experts = ModelExperts(self.pager, model.name, prefetch_enabled=prefetch)
+        experts = ModelExperts(self.pager, model.name, prefetch_enabled=self.prefetch)
         self._loader.start(model, self.dtype, self.device, experts, whole)
 
     def _install_landed(self) -> list[RequestOutput]:

@@ -278,3 +278,20 @@ def test_an_idle_router_has_nothing_due_now(hf_checkpoints, policy):
         router.step()
         due = router.seconds_until_due()
         assert due is None or due > 0, (policy, due)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_grown_pool_prefetches_popular_experts_only_where_prefetch_is_on(hf_checkpoints,
+                                                                            prefetch):
+    # on a CPU (prefetch off by default) guessed reads would take the cores and the disk
+    # from the models' own misses
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a",), clock=clock, experts=16, prefetch=prefetch)
+    router.add_request(Request("r", "a", list(range(3, 40)), _params(2)))
+    _run(router, clock, _finished(["r"]))
+    router.residency.apply({"a": 0})
+    before = router.pager.stats("a")["prefetches"]
+    router.residency.apply({"a": 16})
+    router.pager.wait_for_loads("a")
+    started = router.pager.stats("a")["prefetches"] - before
+    assert (started > 0) == prefetch
