@@ -6,7 +6,7 @@ A CPU pool hands a shrink's pages back to the OS (`madvise(MADV_DONTNEED)`, mox/
 so every slot a pool gains is fresh: its first load also pays a page fault per 4 KiB and the
 kernel's zeroing, on the cores that compute.
 
-    .venv/bin/python -m bench.fresh_pages [--chunk-mib 3] [--count 200]
+    .venv/bin/python -m mox.bench.fresh_pages [--chunk-mib 3] [--count 200]
 """
 
 from __future__ import annotations
