@@ -21,7 +21,7 @@ class Residency:
         self.clock = clock
         # On a CPU the reads compete with compute for the cores and, after a cold start, for
         # the disk: a burst of eight cold models, rate, uniform routing (bench-size): the
-        # fourth model's 22-token prefill took 1.9 s with prefetch into grown pools, 1.0 s
+        # third model's 22-token prefill took 1.9 s with prefetch into grown pools, 1.0-1.4 s
         # without (a prefill marks most experts "popular").
         self.prefetch = prefetch
 
