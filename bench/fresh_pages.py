@@ -45,7 +45,9 @@ def main() -> None:
     args = parser.parse_args()
     chunk = int(args.chunk_mib * 2**20)
     with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
-        f.write(os.urandom(chunk) * args.count)       # now in the page cache
+        block = os.urandom(chunk)
+        for _ in range(args.count):
+            f.write(block)                            # now in the page cache
         f.flush()
         fd = os.open(f.name, os.O_RDONLY)
         try:

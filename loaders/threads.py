@@ -26,4 +26,3 @@ def use_compute_threads(count: int = COMPUTE_THREADS) -> None:
     """For threads that run model steps; cheap enough to call every step."""
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
-

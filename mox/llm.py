@@ -78,7 +78,8 @@ class LLM:
         self.tokenizer: Tokenizer | None = served.tokenizer
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
-        use_compute_threads()        # the caller's thread runs the steps (loaders/threads.py)
+        # the caller's thread runs the steps (loaders/threads.py)
+        use_compute_threads(self.engine.compute_threads)
 
     @property
     def engine(self) -> Engine:

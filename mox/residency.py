@@ -15,7 +15,7 @@ from mox.served_model import ServedModel
 
 class Residency:
     def __init__(self, pager: ExpertPager, models: dict[str, ServedModel],
-                 clock: Callable[[], float], prefetch: bool = True) -> None:
+                 clock: Callable[[], float], *, prefetch: bool) -> None:
         self.pager = pager
         self.models = models            # the router's table (shared, not copied)
         self.clock = clock
@@ -51,8 +51,8 @@ class Residency:
         for name in growing:
             before = self.slots(name)
             self.pager.set_budget(name, slots[name] * self.slot_bytes(name))
-            rising = self.models[name].traffic.is_rising(self.clock()) or before == 0
-            if self.prefetch and rising:
+            if self.prefetch and (before == 0
+                                  or self.models[name].traffic.is_rising(self.clock())):
                 self.pager.prefetch_popular(name, slots[name] - before)
 
     def share_host_cache(self) -> None:

@@ -3,9 +3,13 @@ same tokens, no model starves, stop strings and seeds behave."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from mox.engine import Engine, FinishReason, Request, SchedulerConfig
+from mox.loaders.threads import use_one_thread
+from mox.router import Router, RouterConfig
 from mox.sampling import SamplingParams
 from tests.conftest import open_tiny, serve_loaded
 
@@ -153,19 +157,11 @@ def test_padded_and_flat_attention_layouts_agree(hf_checkpoints):
     torch.testing.assert_close(models["mixtral"].forward_batch(forward), padded,
                                atol=1e-5, rtol=1e-5)
 
-
-
-def test_a_router_steps_on_its_threads_whatever_a_worker_sets():
+def test_a_router_steps_on_its_threads_whatever_a_worker_sets(hf_checkpoints):
     """A worker's torch.set_num_threads(1) reaches every thread that never set its own count
     (OpenMP backend): the engine's step pins the count it was given."""
-    import threading
-
-    from mox.demo import demo_name, ensure_demo_models
-    from mox.loaders.threads import use_one_thread
-    from mox.router import Router, RouterConfig
-
     before = torch.get_num_threads()
-    path = ensure_demo_models(None, "demo", 0.0, ("olmoe",))[demo_name("olmoe")]
+    path = hf_checkpoints["olmoe"][0]
     router = Router({"m": path}, RouterConfig(dtype="float32", compute_threads=3))
     try:
         router.warm_up("m")
