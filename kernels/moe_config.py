@@ -2,7 +2,7 @@
 
 Tuned configs live in `configs/` as JSON, one file per (E, N, device, dtype), mapping a token
 count M to block sizes (the layout vLLM uses, so its tuning habits carry over);
-`bench/tune_moe.py` writes them on a GPU. Without a file, a small-batch default (few rows per
+`bench/micro/tune_moe.py` writes them on a GPU. Without a file, a small-batch default (few rows per
 expert: narrow M tiles, deep K) and a large-batch default apply.
 """
 

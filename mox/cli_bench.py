@@ -1,4 +1,4 @@
-"""`mox bench`: the load-test harness (bench/harness.py) from the command line.
+"""`mox bench`: the load-test harness (bench/loadtest/harness.py) from the command line.
 
     mox bench --quick                          # CI: demo models, < 1 minute
     mox bench --out bench/results/harness      # full: 12 mid-size models, uniform + skewed
@@ -42,8 +42,8 @@ def parse_slo(text: str | list[str]) -> tuple[float, float]:
 
 
 def bench_config(args: argparse.Namespace):
-    from mox.bench.results_schema import SLO, BenchConfig
-    from mox.bench.workload import LengthDistribution
+    from mox.bench.loadtest.results_schema import SLO, BenchConfig
+    from mox.bench.loadtest.workload import LengthDistribution
 
     mode = QUICK if args.quick else FULL
     pick = lambda value, key: mode[key] if value is None else value
@@ -68,8 +68,8 @@ def bench_config(args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from mox.bench.harness import run_bench
-    from mox.bench.report import write_report
+    from mox.bench.loadtest.harness import run_bench
+    from mox.bench.loadtest.report import write_report
 
     config = bench_config(args)
     results = run_bench(config)

@@ -14,15 +14,15 @@ import msgspec
 import torch
 
 from mox.engine.engine import Engine
-from mox.engine.sequence import FinishReason, Request
 from mox.errors import InvalidRequestError, ModelUnavailableError, MoxError
 from mox.loaders import Checkpoint
 from mox.loaders.threads import use_compute_threads
+from mox.messages import FinishReason, ModelState, Request
 from mox.models import MoEDecoder
 from mox.pager import ExpertPager
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
+from mox.router.served_model import dense_nbytes, resolve_device, resolve_dtype
 from mox.sampling import SamplingParams
-from mox.served_model import ModelState, dense_nbytes, resolve_device, resolve_dtype
 from mox.tokenizer import Tokenizer
 from mox.units import parse_size
 

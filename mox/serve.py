@@ -19,11 +19,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from datetime import datetime
 
-from mox.engine.async_engine import AsyncEngine
-from mox.engine.sequence import Request, RequestOutput
+from mox.messages import ModelState, Request, RequestOutput
 from mox.registry import ModelEntry, Registry
 from mox.router import Router, RouterConfig
-from mox.served_model import ModelState
+from mox.router.driver import AsyncEngine
 from mox.server.app import create_app, start_server
 from mox.server.backend import ModelInfo, PageInObserver
 from mox.server.chat_template import ChatTemplate

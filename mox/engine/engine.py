@@ -17,16 +17,11 @@ from mox.engine.detokenizer import IncrementalDetokenizer
 from mox.engine.kv_pool import KVPool
 from mox.engine.runner import ModelRunner, SampledToken
 from mox.engine.scheduler import Scheduler, SchedulerConfig
-from mox.engine.sequence import (
-    FinishReason,
-    Request,
-    RequestOutput,
-    Sequence,
-    SequenceStatus,
-)
+from mox.engine.sequence import Sequence, SequenceStatus
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
 from mox.loaders.threads import COMPUTE_THREADS, use_compute_threads
+from mox.messages import FinishReason, Request, RequestOutput
 from mox.models import MoEDecoder
 from mox.models.decoder import new_kv_store
 from mox.models.kv_store import KVStore

@@ -1,4 +1,4 @@
-"""Requests, sequences and the messages the engine hands back.
+"""A request as the engine tracks it while it runs: the sequence of its tokens.
 
 A sequence moves WAITING -> RUNNING -> FINISHED; a preempted one goes back to WAITING with
 its KV freed and is recomputed (prompt plus the tokens it already produced) when readmitted.
@@ -10,40 +10,16 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
+from mox.messages import FinishReason, Request
 from mox.sampling import SamplingParams
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"        # an eos / stop token or a stop string
-    LENGTH = "length"    # max_tokens or the model's context
-    ABORT = "abort"      # cancelled by the client, or failed
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class Request(msgspec.Struct, omit_defaults=True):
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
-    """Incremental: the tokens and text this step added; `finish_reason` once finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[float] | None = None
-    error: str | None = None
 
 
 @dataclass

@@ -13,9 +13,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from mox.engine.sequence import Request, RequestOutput
+from mox.messages import ModelState, Request, RequestOutput
 from mox.pager import PageInObserver
-from mox.served_model import ModelState
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
 

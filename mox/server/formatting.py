@@ -9,7 +9,7 @@ from typing import Protocol
 
 import msgspec
 
-from mox.engine.sequence import FinishReason, RequestOutput
+from mox.messages import FinishReason, RequestOutput
 from mox.server.generation import Collected
 from mox.server.responses import (
     AssistantMessage,

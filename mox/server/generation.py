@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from mox.engine.sequence import FinishReason, Request, RequestOutput
+from mox.messages import FinishReason, Request, RequestOutput
 from mox.server.backend import ServingBackend
 from mox.server.errors import EngineFailureError, RequestAbortedError
 from mox.server.metrics import ServerMetrics

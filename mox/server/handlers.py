@@ -11,8 +11,8 @@ import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
-from mox.engine.sequence import Request
 from mox.errors import InvalidRequestError
+from mox.messages import Request
 from mox.server.backend import ServingBackend
 from mox.server.errors import NotReadyError
 from mox.server.formatting import ChatFormat, CompletionFormat, OutputFormat

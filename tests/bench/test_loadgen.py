@@ -9,8 +9,8 @@ import json
 import aiohttp
 from aiohttp import web
 
-from mox.bench.loadgen import LoadGenerator, parse_metrics, replay
-from mox.bench.workload import RequestSpec
+from mox.bench.loadtest.loadgen import LoadGenerator, parse_metrics, replay
+from mox.bench.loadtest.workload import RequestSpec
 
 # The schedule is checked loosely: the test machine is a shared 2-core box.
 SCHEDULE_SLACK_S = 0.25

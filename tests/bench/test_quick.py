@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from mox.bench.results_schema import SLO, PolicyResult, Results, Summary
-from mox.bench.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
-from mox.bench.summaries import meets_slo, summary, targets
+from mox.bench.loadtest.results_schema import SLO, PolicyResult, Results, Summary
+from mox.bench.loadtest.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
+from mox.bench.loadtest.summaries import meets_slo, summary, targets
 from mox.cli import main
 from mox.cli_bench import parse_slo
 from mox.errors import InvalidRequestError
@@ -60,7 +60,7 @@ def test_summary_goodput_rule_and_target_ratios():
     s = summary([1.0, 2.0, 3.0, 4.0])
     assert (s.count, s.mean, s.p50) == (4, 2.5, 2.5) and s.p99 == pytest.approx(3.97)
     assert summary([]) == Summary(0)
-    from mox.bench.loadgen import RequestResult
+    from mox.bench.loadtest.loadgen import RequestResult
 
     fast = RequestResult(index=0, model="a", arrival_s=0, sent_s=0, num_prompt_tokens=1,
                          max_tokens=3, cold=False, ttft_s=0.1, e2e_s=0.3,
@@ -70,7 +70,7 @@ def test_summary_goodput_rule_and_target_ratios():
     assert not meets_slo(fast, SLO(50, 1000))
 
     def policy(name, p99, goodput, throughput):
-        from mox.bench.results_schema import Counts, Latency
+        from mox.bench.loadtest.results_schema import Counts, Latency
 
         ttft = Summary(1, p99, p99, p99, p99)
         return PolicyResult(policy=name, counts=Counts(1, 1, 0, 0, 1, 1),

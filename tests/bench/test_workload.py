@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mox.bench.workload import (
+from mox.bench.loadtest.workload import (
     PROMPT_TOKEN_RANGE,
     LengthDistribution,
     SyntheticWorkload,

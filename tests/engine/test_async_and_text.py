@@ -8,9 +8,11 @@ import os
 
 import pytest
 
-from mox.engine import AsyncEngine, Engine, FinishReason, Request
+from mox.engine import Engine
 from mox.engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
 from mox.errors import ModelNotFoundError
+from mox.messages import FinishReason, Request
+from mox.router.driver import AsyncEngine
 from mox.sampling import SamplingParams
 from mox.tokenizer import Tokenizer
 from tests.conftest import open_tiny, serve_loaded, tiny_router

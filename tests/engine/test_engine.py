@@ -7,8 +7,9 @@ import threading
 
 import torch
 
-from mox.engine import Engine, FinishReason, Request, SchedulerConfig
+from mox.engine import Engine, SchedulerConfig
 from mox.loaders.threads import use_one_thread
+from mox.messages import FinishReason, Request
 from mox.router import Router, RouterConfig
 from mox.sampling import SamplingParams
 from tests.conftest import open_tiny, serve_loaded

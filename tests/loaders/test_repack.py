@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 
 from mox import LLM
-from mox.expert_loader import expert_ranges
 from mox.loaders import Checkpoint
 from mox.loaders.repack import ALIGNMENT, repack_expert_major
 from mox.loaders.stream import coalesce, read_tensor
+from mox.pager.expert_loader import expert_ranges
 
 
 @pytest.mark.parametrize("case,shard_bytes", [("qwen2_moe", 1 << 30), ("mixtral", 60_000)])

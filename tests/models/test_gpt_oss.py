@@ -153,7 +153,7 @@ def test_mxfp4_needs_whole_blocks():
 
 
 def test_slot_biases_follow_their_expert_through_grow_and_compact():
-    from mox.slot_pool import SlotPool
+    from mox.pager.slot_pool import SlotPool
 
     pool = SlotPool(1, 4, hidden=8, inter=4, dtype=torch.float32, device=torch.device("cpu"),
                     num_slots=2, has_bias=True)

@@ -17,11 +17,10 @@ from collections.abc import AsyncGenerator, Callable
 
 import pytest
 
-from mox.engine.sequence import FinishReason, Request, RequestOutput
 from mox.errors import AdmissionError, ModelNotFoundError, ModelUnavailableError
+from mox.messages import FinishReason, ModelState, Request, RequestOutput
 from mox.router import Router, RouterConfig
 from mox.serve import RouterBackend
-from mox.served_model import ModelState
 from mox.server.app import create_app, start_server
 from mox.server.backend import ModelInfo
 from mox.server.chat_template import ChatTemplate

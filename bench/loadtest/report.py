@@ -1,0 +1,110 @@
+"""Load-test report: results.json, the Markdown report (results.md) and the plots written
+into the output directory. The schema is mox.bench.loadtest.results_schema; the figures come from
+mox.bench.loadtest.summaries."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from mox.bench.loadtest.plots import MiB, plot_suite
+from mox.bench.loadtest.results_schema import Results, Suite
+from mox.bench.loadtest.routing_stats import RoutingStats
+
+RESULTS_FILE, MARKDOWN_FILE = "results.json", "results.md"
+
+
+def write_report(results: Results, out: str) -> list[str]:
+    """results.json, results.md and the plots into `out`; returns the paths written."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, RESULTS_FILE), os.path.join(out, MARKDOWN_FILE)]
+    with open(paths[0], "wb") as f:
+        f.write(msgspec.json.encode(results) + b"\n")
+    plots = [p for suite in results.suites for p in plot_suite(suite, out)]
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(markdown(results, [os.path.basename(p) for p in plots]))
+    return paths + plots
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def _x(value: float | None, target: float, at_most: bool) -> str:
+    if value is None:
+        return "-"
+    met = value <= target if at_most else value >= target
+    return f"{value:.2f}x ({'met' if met else 'missed'}; target {'<=' if at_most else '>='} " \
+           f"{target:.2f}x)"
+
+
+def policy_table(suite: Suite) -> list[str]:
+    rows = ["| policy | ok / sent | cold | TTFT p50 / p90 / p99 ms | cold TTFT p50 ms | "
+            "TPOT p50 / p99 ms | e2e p99 ms | tok/s | goodput req/s | expert hit rate | "
+            "read MiB | peak resident MiB |", "|---" * 12 + "|"]
+    for p in suite.policies:
+        if p.error is not None:
+            rows.append(f"| {p.policy} | error: {p.error[:120]} |" + " |" * 10)
+            continue
+        t, lat, pg = p.latency.ttft, p.latency, p.pager
+        hit = "-" if pg.hit_rate is None else f"{pg.hit_rate:.2f}"
+        rows.append(
+            f"| {p.policy} | {p.counts.ok} / {p.counts.requests} | {p.counts.cold} | "
+            f"{_ms(t.p50)} / {_ms(t.p90)} / {_ms(t.p99)} | {_ms(lat.cold_ttft.p50)} | "
+            f"{_ms(lat.tpot.p50)} / {_ms(lat.tpot.p99)} | {_ms(lat.e2e.p99)} | "
+            f"{p.throughput_tokens_per_s:.1f} | {p.goodput_requests_per_s:.2f} | {hit} | "
+            f"{pg.bytes_read / MiB:.0f} | {pg.peak_resident_bytes / MiB:.0f} |")
+    return rows
+
+
+def per_model_table(suite: Suite) -> list[str]:
+    ok = [p for p in suite.policies if p.error is None]
+    rows = ["| model | share | " + " | ".join(f"{p.policy} TTFT p99 ms / goodput" for p in ok)
+            + " |", "|---|---|" + "---|" * len(ok)]
+    for i, model in enumerate(suite.models):
+        cells = [f"{_ms(p.per_model[i].latency.ttft.p99)} / "
+                 f"{p.per_model[i].goodput_requests_per_s:.2f}" for p in ok]
+        rows.append(f"| {model} | {suite.workload.model_shares[model]:.2f} | "
+                    + " | ".join(cells) + " |")
+    return rows
+
+
+def routing_line(routing: RoutingStats | None) -> str:
+    if routing is None:
+        return "Routing statistics: not measured."
+    return (f"Routing ({routing.num_sequences} workload prompts, {routing.num_tokens} tokens, "
+            f"E={routing.num_experts}, k={routing.top_k}): popularity entropy "
+            f"{routing.mean_entropy:.3f} of uniform; previous-token overlap "
+            f"{routing.mean_previous_token_overlap:.3f} (independent uniform: "
+            f"{routing.uniform_overlap:.3f}); per-layer LRU of E/4 hits "
+            f"{routing.mean_lru_quarter_hit_rate:.2f}.")
+
+
+def markdown(results: Results, plots: list[str]) -> str:
+    c = results.config
+    lines = ["# mox bench", "",
+             f"{results.created}, {results.machine}, {results.wall_s:.0f} s wall. "
+             f"{c.num_models} x {c.architecture} ({c.preset} preset); Zipf alpha {c.alpha}, "
+             f"CV {c.cv}, {c.rate} req/s for {c.duration_s:g} s"
+             + (f" (trace {c.trace})" if c.trace else "")
+             + f"; device budget = dense + {c.device_memory_fraction:g} x experts; "
+             f"SLO TTFT {c.slo.ttft_ms:g} ms, TPOT {c.slo.tpot_ms:g} ms.", ""]
+    for suite in results.suites:
+        w, tg = suite.workload, suite.targets
+        lines += [f"## {suite.name} routing (skew {suite.routing_skew:g})", "",
+                  f"{len(suite.models)} models: dense {suite.dense_bytes / MiB:.0f} MiB + "
+                  f"experts {suite.expert_bytes / MiB:.0f} MiB; device budget "
+                  f"{suite.device_budget_bytes / MiB:.0f} MiB. {w.num_requests} requests "
+                  f"({w.offered_rate:.2f}/s offered), prompts {w.mean_prompt_tokens:.0f} "
+                  f"tokens, outputs {w.mean_output_tokens:.0f} tokens on average.", "",
+                  routing_line(suite.routing), ""]
+        lines += policy_table(suite) + [""]
+        lines += ["| rate vs | measured |", "|---|---|",
+                  f"| model-swap p99 TTFT | {_x(tg.p99_ttft_vs_model_swap, 1 / 3, True)} |",
+                  f"| model-swap goodput | {_x(tg.goodput_vs_model_swap, 2.0, False)} |",
+                  f"| all-resident throughput | "
+                  f"{_x(tg.throughput_vs_all_resident, 0.8, False)} |", ""]
+        lines += per_model_table(suite) + [""]
+        lines += [f"![{p}]({p})" for p in plots if p.startswith(suite.name + "-")] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""The schema of results.json: msgspec Structs, `Results` being the whole file. The figures
+are computed by mox.bench.loadtest.summaries, which defines them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from mox.bench.loadtest.routing_stats import RoutingStats
+from mox.bench.loadtest.workload import LengthDistribution
+
+SCHEMA_VERSION = 1
+
+
+class SLO(msgspec.Struct):
+    ttft_ms: float
+    tpot_ms: float
+
+
+class BenchConfig(msgspec.Struct, kw_only=True):
+    quick: bool
+    preset: str                       # demo | mid | bench (mox.demo)
+    architecture: str
+    num_models: int
+    alpha: float
+    cv: float
+    rate: float                       # total requests/s
+    duration_s: float
+    prompt: LengthDistribution
+    output: LengthDistribution
+    device_memory_fraction: float     # of all expert bytes, on top of all dense bytes
+    routing_skews: list[float]
+    policies: list[str]
+    slo: SLO
+    trace: str | None = None
+    trace_speedup: float = 1.0
+    seed: int = 0
+    host_memory: str | None = None
+    kv_memory: str = "512MiB"
+    scrape_period_s: float = 1.0
+    routing_sequences: int = 8
+    home: str | None = None           # where the models are built (MOX_HOME)
+    out: str = "."
+
+
+class Summary(msgspec.Struct):
+    count: int
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+class Latency(msgspec.Struct):
+    """Seconds. `cold_ttft`/`warm_ttft`: TTFT of cold / warm arrivals."""
+
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2e: Summary
+    cold_ttft: Summary
+    warm_ttft: Summary
+
+
+class Pager(msgspec.Struct):
+    hits: int
+    misses: int
+    hit_rate: float | None
+    bytes_read: int
+    peak_resident_bytes: int
+
+
+class Counts(msgspec.Struct):
+    requests: int
+    ok: int
+    failed: int
+    cold: int
+    met_slo: int
+    output_tokens: int
+
+
+class ModelResult(msgspec.Struct):
+    model: str
+    counts: Counts
+    throughput_tokens_per_s: float
+    goodput_requests_per_s: float
+    latency: Latency
+    pager: Pager
+
+
+class TimelinePoint(msgspec.Struct):
+    t_s: float
+    device_used_bytes: float
+    resident_bytes: dict[str, float]
+    request_rate: dict[str, float]
+
+
+class RequestRecord(msgspec.Struct, omit_defaults=True):
+    """One request (seconds, rounded to 0.1 ms); `error` set when it failed."""
+
+    index: int
+    model: str
+    arrival_s: float
+    sent_s: float
+    cold: bool
+    num_prompt_tokens: int
+    num_output_tokens: int
+    met_slo: bool
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    error: str | None = None
+
+
+class PolicyResult(msgspec.Struct, kw_only=True):
+    policy: str
+    error: str | None = None
+    server_exit_code: int | None = None
+    startup_s: float = 0.0
+    makespan_s: float = 0.0
+    load_average_1m: float | None = None    # the machine's, as the replay ended (2 = 2 cores)
+    counts: Counts | None = None
+    throughput_tokens_per_s: float = 0.0
+    throughput_requests_per_s: float = 0.0
+    goodput_requests_per_s: float = 0.0
+    latency: Latency | None = None
+    pager: Pager | None = None
+    peak_device_used_bytes: int = 0
+    errors: dict[str, int] = {}
+    per_model: list[ModelResult] = []
+    timeline: list[TimelinePoint] = []
+    requests: list[RequestRecord] = []
+
+
+class Targets(msgspec.Struct):
+    """rate / model-swap p99 TTFT (target <= 1/3), rate / model-swap goodput (>= 2),
+    rate / all-resident throughput (>= 0.8); None where a policy is missing."""
+
+    p99_ttft_vs_model_swap: float | None
+    goodput_vs_model_swap: float | None
+    throughput_vs_all_resident: float | None
+    met_p99_ttft: bool | None
+    met_goodput: bool | None
+    met_throughput: bool | None
+
+
+class Workload(msgspec.Struct):
+    num_requests: int
+    offered_rate: float               # requests/s over the workload's span
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    model_shares: dict[str, float]    # measured share of requests per model
+
+
+class Suite(msgspec.Struct):
+    name: str
+    routing_skew: float
+    models: list[str]
+    dense_bytes: int
+    expert_bytes: int
+    device_budget_bytes: int
+    workload: Workload
+    routing: RoutingStats | None
+    policies: list[PolicyResult]
+    targets: Targets
+
+
+class Results(msgspec.Struct):
+    schema_version: int
+    created: str
+    machine: str
+    wall_s: float
+    config: BenchConfig
+    suites: list[Suite]

@@ -1,0 +1,168 @@
+"""GPU check of serving through the pager: the models' MoE blocks on the Triton kernels with
+experts paged into CUDA slot pools (pinned staging, side-stream copies, host tier).
+
+    python -m mox.bench.micro.gpu_serving --out DIR
+
+1. Each demo architecture, fp32: greedy tokens on CUDA with a pool of top_k + 1 slots
+   (waves, evictions) and a host cache equal those on CUDA with every expert resident, and
+   those on CPU (torch path): the kernels, the pager and the copies agree end to end.
+2. The bench-size olmoe (bf16, 1.6 GB of experts): prefill time and decode tokens/s at 1, 8
+   and 32 sequences on CUDA, all experts resident and a quarter of them (paged from the host
+   cache / disk), against transformers' `generate` on the same checkpoint and GPU.
+3. Where a batch-1 decode step's time goes on CUDA (torch.profiler, top ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from mox import LLM
+from mox.demo import DEMO_ARCHITECTURES, demo_name, ensure_demo_models
+
+PROMPT = "The expert pager streams experts into slots"
+DECODE_TOKENS = 64
+
+
+def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
+    return llm.generate(PROMPT, max_tokens=max_tokens, temperature=0.0,
+                        ignore_eos=True)[0].token_ids
+
+
+def parity(home: str) -> list[dict]:
+    rows = []
+    for arch in DEMO_ARCHITECTURES:
+        path = os.path.join(home, "models", demo_name(arch))
+        row: dict = {"arch": arch}
+        try:
+            reference = greedy(LLM(path, device="cpu", dtype="float32"))
+            resident_llm = LLM(path, device="cuda", dtype="float32")
+            resident = greedy(resident_llm)
+            top_k = resident_llm.model.spec.top_k
+            expert_bytes = resident_llm.pager_stats()["expert_bytes"]
+            paged_llm = LLM(path, device="cuda", dtype="float32",
+                            expert_memory=(top_k + 1) * expert_bytes, host_memory="64MiB")
+            paged = greedy(paged_llm)
+            stats = paged_llm.pager_stats()
+            row.update({"cuda_resident_equals_cpu": resident == reference,
+                        "cuda_paged_equals_cpu": paged == reference,
+                        "misses": stats["misses"], "waves": stats["waves"],
+                        "evictions": stats["evictions"],
+                        "bytes_read_host": stats["bytes_read_host"]})
+        except Exception as exc:                  # report every architecture, then fail
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def prompts(num_seqs: int, length: int) -> list[list[int]]:
+    return [[100 + (7 * i + j) % 5000 for j in range(length)] for i in range(num_seqs)]
+
+
+def mox_decode_tok_s(llm: LLM, num_seqs: int) -> float:
+    batch = prompts(num_seqs, 8)
+
+    def run(max_tokens: int):
+        return lambda: llm.generate(prompt_token_ids=batch, max_tokens=max_tokens,
+                                    temperature=0.0, ignore_eos=True)
+    run(3)()                # Triton compiles per batch-size bucket: keep that out of the timing
+    decode = timed(run(DECODE_TOKENS + 1)) - timed(run(1))
+    return num_seqs * DECODE_TOKENS / decode
+
+
+def hf_decode_tok_s(path: str) -> dict:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    out = {}
+    for num_seqs in (1, 8, 32):
+        ids = torch.tensor(prompts(num_seqs, 8), device="cuda")
+
+        def run(new: int, ids: torch.Tensor = ids):
+            return lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                                          do_sample=False, attention_mask=torch.ones_like(ids))
+        with torch.inference_mode():
+            run(2)()
+            decode = timed(run(DECODE_TOKENS + 1)) - timed(run(1))
+        out[num_seqs] = num_seqs * DECODE_TOKENS / decode
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    return out
+
+
+def prefill_seconds(llm: LLM) -> float:
+    prompt = list(range(100, 356))
+    timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=4))         # warm-up
+    return timed(lambda: llm.generate(prompt_token_ids=[prompt], max_tokens=1))
+
+
+def profile_step(llm: LLM) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+    batch = prompts(1, 8)
+    llm.generate(prompt_token_ids=batch, max_tokens=4, temperature=0.0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt_token_ids=batch, max_tokens=9, temperature=0.0, ignore_eos=True)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    cuda_table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12)
+    return table.splitlines() + cuda_table.splitlines()
+
+
+def speed(home: str) -> dict:
+    path = ensure_demo_models(home, "bench", 1.0, ("olmoe",))[demo_name("olmoe", "bench", 1.0)]
+    rows = []
+    profile_lines: list[str] = []
+    for label, kwargs in [("all resident", {}),
+                          ("25% of experts, host cache", {"expert_memory": "400MiB",
+                                                          "host_memory": "2GiB"})]:
+        llm = LLM(path, device="cuda", dtype="bfloat16", **kwargs)
+        row = {"config": label, "prefill_256_s": prefill_seconds(llm)}
+        for num_seqs in (1, 8, 32):
+            row[f"decode_tok_s_{num_seqs}"] = mox_decode_tok_s(llm, num_seqs)
+        stats = llm.pager_stats()
+        row.update({key: stats[key] for key in ("hits", "misses", "prefetch_hits",
+                                                "bytes_read_host", "bytes_read_disk")})
+        print(row, flush=True)
+        rows.append(row)
+        if not profile_lines:
+            profile_lines = profile_step(llm)
+        llm.router.shutdown()
+        torch.cuda.empty_cache()
+    hf = hf_decode_tok_s(path)
+    print({"transformers_decode_tok_s": hf}, flush=True)
+    return {"rows": rows, "transformers_decode_tok_s": hf, "profile_batch1": profile_lines}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--home", default="/tmp/mox_home")
+    args = parser.parse_args()
+    ensure_demo_models(args.home)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "parity": parity(args.home)}
+    report["speed"] = speed(args.home)
+    with open(os.path.join(args.out, "gpu_serving.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print("\n".join(report["speed"]["profile_batch1"]))
+    ok = all(r.get("cuda_resident_equals_cpu") and r.get("cuda_paged_equals_cpu")
+             for r in report["parity"])
+    print("parity ok" if ok else "PARITY FAILED")
+
+
+if __name__ == "__main__":
+    main()

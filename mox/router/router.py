@@ -1,0 +1,387 @@
+"""The router: who gets memory. It admits requests, tracks each model's traffic, loads cold
+models' weights off the engine thread, and divides one device budget among the models.
+
+Design note.
+- Device memory = dense weights of the models that hold them + every model's expert slots
+  (the KV pool has its own budget). `residency.used_bytes() <= device_memory` after every
+  call; plans are applied through `mox.router.residency`.
+- A request for a cold model queues in the engine at once; the model's dense weights load
+  on the loader thread (after parking idle models if room is short) while the other models
+  keep stepping; the plan gives it experts at once and, while its rate rises, its most used
+  experts are prefetched (where prefetch is on: a GPU by default). It runs from the first
+  step after its weights land.
+- Every `plan_period_s` (and when a model starts loading or lands) the memory policy
+  recomputes each warm model's expert slots; the pager applies them, evicting only unleased
+  experts. Shrinks are applied before grows so the sum never passes the budget.
+- A warm model idle for `dense_idle_s` is parked: its weights and slots leave the device.
+- Admission: per-model and global limits on waiting requests (AdmissionError, HTTP 429);
+  a request still waiting after `queue_timeout_s` is aborted with RequestTimeoutError.
+The router is single-threaded like the engine it drives (the offline LLM's thread or
+AsyncEngine's loop); only the loader thread's results cross over (`WeightLoader`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mox.engine.engine import Engine
+from mox.engine.scheduler import SchedulerConfig
+from mox.errors import (
+    AdmissionError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ModelUnavailableError,
+    MoxError,
+    RequestTimeoutError,
+)
+from mox.loaders.threads import COMPUTE_THREADS
+from mox.messages import ModelState, Request, RequestOutput
+from mox.models.experts import ModelExperts
+from mox.models.loading import prefetch_by_default
+from mox.pager import PageInObserver, make_pager
+from mox.router.memory_policy import MemoryPolicy, make_memory_policy
+from mox.router.rates import DecayedRate
+from mox.router.residency import Residency
+from mox.router.served_model import (
+    ServedModel,
+    WeightLoader,
+    open_served,
+    resolve_device,
+    resolve_dtype,
+)
+
+ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
+# Retry-After bounds: at least a second (HTTP's unit), at most a minute (beyond that the
+# estimate is worthless and the client should back off on its own).
+RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "rate"
+    device: str = "cpu"
+    dtype: str | torch.dtype = "bfloat16"
+    device_memory: int | None = None      # dense + expert bytes of all models; None: no limit
+    host_memory: int | None = None        # RAM cache of expert bytes (None: off)
+    kv_memory: int = 1 << 30
+    max_batched_tokens: int = 256
+    prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
+    direct_io: bool = False
+    plan_period_s: float = 1.0
+    dense_idle_s: float = 300.0           # a warm model idle this long is parked
+    max_waiting_per_model: int = 256
+    max_waiting: int = 1024
+    queue_timeout_s: float = 120.0
+    compute_threads: int | None = None    # torch intra-op threads for steps (None: all)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise InvalidRequestError(f"unknown policy {self.policy!r}; choose from "
+                                      f"{ROUTER_POLICIES}", param="policy")
+
+
+@dataclass
+class _Tracked:
+    model: str
+    arrival: float
+    started: bool = False           # produced output (no longer subject to the queue timeout)
+
+
+class Router:
+    def __init__(self, models: dict[str, str], config: RouterConfig = RouterConfig(),
+                 clock: Callable[[], float] = time.monotonic,
+                 on_page_in: PageInObserver | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock,
+                                on_page_in)
+        self.engine = Engine(config.kv_memory,
+                             config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens),
+                             compute_threads=config.compute_threads or COMPUTE_THREADS)
+        self.policy: MemoryPolicy = make_memory_policy(config.policy, self)
+        self.models: dict[str, ServedModel] = {}
+        # predictive prefetch (next layer's experts, popular experts into grown pools)
+        self.prefetch = (config.prefetch if config.prefetch is not None
+                         else prefetch_by_default(self.device))
+        self.residency = Residency(self.pager, self.models, clock, prefetch=self.prefetch)
+        self.wake = threading.Event()          # set when a load lands (drivers wait on it)
+        self._loader = WeightLoader(self.wake)
+        self._requests: dict[str, _Tracked] = {}
+        self._finishes = DecayedRate(10.0)
+        self._next_plan = -math.inf
+        for name, path in models.items():
+            self.add_model(name, path)
+
+    # ---- models ------------------------------------------------------------------------
+    def add_model(self, name: str, path: str) -> ServedModel:
+        if name in self.models:
+            raise InvalidRequestError(f"model {name!r} is already served", param="model")
+        model = open_served(name, path, self.dtype)
+        self.models[name] = model
+        if model.state == ModelState.FAILED:
+            return model
+        self.pager.add_model(name, model.ckpt, self.dtype, self.device, 0,
+                             self.policy.eviction_policy)
+        self.engine.add_model(name, model.ckpt.spec, self.dtype, self.device, model.tokenizer,
+                              model.eos_token_ids)
+        try:
+            self.policy.check_fits(model)
+        except MoxError as e:
+            model.state, model.error = ModelState.FAILED, str(e)
+            return model
+        if self.policy.pins_models:
+            self._start_load(model)
+        return model
+
+    def remove_model(self, name: str) -> list[RequestOutput]:
+        """Stop serving the model: its requests abort, its memory is freed."""
+        model = self.models.get(name) or self.served(name)
+        gone = ModelNotFoundError(f"model {name!r} was removed")
+        outputs = [out for rid in [r for r, t in self._requests.items() if t.model == name]
+                   if (out := self.abort(rid, gone)) is not None]
+        if model.state == ModelState.LOADING:
+            self._loader.drain()                              # let its load land first
+            self._install_landed()
+        if model.state == ModelState.WARM:
+            self.park(model)
+        if model.ckpt is not None:
+            self.engine.remove_model(name)
+            self.pager.remove_model(name)
+        del self.models[name]
+        return outputs
+
+    def warm_up(self, name: str, whole: bool | None = None) -> None:
+        """Load the model now and wait for it (the offline LLM's start-up); `whole`: every
+        expert too (None: as the policy loads models)."""
+        model = self.models.get(name) or self.served(name)
+        if model.state == ModelState.COLD:
+            self._start_load(model, whole)
+        while model.state == ModelState.LOADING:
+            self.wake.wait()
+            self.wake.clear()
+            self._install_landed()
+        if model.state == ModelState.FAILED:
+            raise ModelUnavailableError(model.error)
+
+    def served(self, name: str) -> ServedModel:
+        """The model by name; ModelNotFoundError if unknown, ModelUnavailableError (with the
+        reason) if it failed to open or load."""
+        model = self.models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"model {name!r} is not served")
+        if model.state == ModelState.FAILED:
+            raise ModelUnavailableError(f"model {name!r} failed to load: {model.error}")
+        return model
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        model = self.served(request.model)
+        self._admit(model)
+        self.engine.add_request(request)            # validates the prompt
+        now = self.clock()
+        self._requests[request.request_id] = _Tracked(model.name, now)
+        model.traffic.on_arrival(now)
+        model.last_active = now
+        if model.state == ModelState.COLD:
+            self._try_start_loads()
+        elif self.pager.pool(model.name).target_slots == 0:
+            self.replan()                    # warm but planned out: its floor comes now
+
+    def _admit(self, model: ServedModel) -> None:
+        waiting = self.num_waiting(model.name)
+        total = sum(self.num_waiting(name) for name in self.models)
+        if waiting >= self.config.max_waiting_per_model:
+            why = f"model {model.name!r} has {waiting} requests waiting"
+        elif total >= self.config.max_waiting:
+            why = f"the server has {total} requests waiting"
+        else:
+            return
+        rate = self._finishes.rate(self.clock())
+        low, high = RETRY_AFTER_BOUNDS_S
+        retry = high if rate <= 0 else min(high, max(low, total / rate))
+        raise AdmissionError(f"{why}; try again later", retry_after_s=retry)
+
+    def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
+        self._requests.pop(request_id, None)
+        return self.engine.abort(request_id, error)
+
+    def take_error(self, request_id: str) -> MoxError | None:
+        """Why the request aborted, if it failed (its owner takes it once)."""
+        return self.engine.errors.pop(request_id, None)
+
+    def num_waiting(self, name: str) -> int:
+        queue = self.engine.scheduler.queues.get(name)
+        return 0 if queue is None else len(queue.waiting)
+
+    def num_running(self, name: str) -> int:
+        queue = self.engine.scheduler.queues.get(name)
+        return 0 if queue is None else len(queue.running)
+
+    def has_requests(self, name: str) -> bool:
+        queue = self.engine.scheduler.queues.get(name)
+        return queue is not None and queue.has_work
+
+    # ---- the loop ----------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Is a step useful now (a runnable batch, or loaded weights to install)?"""
+        return self._loader.has_landed or self.engine.has_work
+
+    def step(self) -> list[RequestOutput]:
+        now = self.clock()
+        outputs = self._install_landed()
+        outputs += self._expire(now)
+        self._park_idle(now)
+        self._try_start_loads()
+        if now >= self._next_plan:
+            self.replan()
+        stepped = self.engine.step()
+        self._account(stepped)
+        return outputs + stepped
+
+    def seconds_until_due(self) -> float | None:
+        """When `step()` next has timed work (a plan, a timeout, an idle park); None: never
+        until something arrives. Drivers wait on `wake` at most this long."""
+        now = self.clock()
+        due = [t.arrival + self.config.queue_timeout_s
+               for t in self._requests.values() if not t.started]
+        if any(m.holds_device_memory for m in self.models.values()):
+            due.append(self._next_plan)
+        due += [t for m in self.models.values() if (t := self._park_at(m)) is not None]
+        return max(0.0, min(due) - now) if due else None
+
+    def _account(self, outputs: list[RequestOutput]) -> None:
+        now = self.clock()
+        for out in outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:
+                continue
+            tracked.started = True
+            model = self.models[tracked.model]
+            model.traffic.on_tokens(now, len(out.new_token_ids))
+            model.last_active = now
+            if out.finish_reason is not None:
+                del self._requests[out.request_id]
+                self._finishes.add(now)
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        limit = self.config.queue_timeout_s
+        expired = [rid for rid, t in self._requests.items()
+                   if not t.started and now - t.arrival > limit]
+        outputs = []
+        for rid in expired:
+            model = self._requests[rid].model
+            error = RequestTimeoutError(f"request waited more than {limit:g} s for model "
+                                        f"{model!r} (state {self.models[model].state.value})")
+            outputs += [out for out in [self.abort(rid, error)] if out is not None]
+        return outputs
+
+    # ---- loading and parking -----------------------------------------------------------
+    def _try_start_loads(self) -> None:
+        """Start loading cold models that have requests, oldest request first, while the
+        policy finds room (parking idle models if it must)."""
+        cold = [m for m in self.models.values()
+                if m.state == ModelState.COLD and self.has_requests(m.name)]
+        for model in sorted(cold, key=lambda m: self._oldest_arrival(m.name)):
+            if not self.policy.make_room(model):
+                return                                # wait for a busy model to go idle
+            self._start_load(model)
+
+    def _oldest_arrival(self, name: str) -> float:
+        return min((t.arrival for t in self._requests.values() if t.model == name),
+                   default=math.inf)
+
+    def _start_load(self, model: ServedModel, whole: bool | None = None) -> None:
+        model.state = ModelState.LOADING
+        model.num_loads += 1
+        whole = self.policy.loads_whole_models if whole is None else whole
+        self.replan()                                 # its dense bytes count from now on
+        experts = ModelExperts(self.pager, model.name, prefetch_enabled=self.prefetch)
+        self._loader.start(model, self.dtype, self.device, experts, whole)
+
+    def _install_landed(self) -> list[RequestOutput]:
+        landed = self._loader.take_landed()
+        outputs = []
+        for name, result in landed:
+            model = self.models[name]
+            if isinstance(result, BaseException):
+                outputs += self._fail(model, result)
+            else:
+                model.decoder, model.state = result, ModelState.WARM
+                self.engine.set_weights(name, result)
+        if landed:
+            self.replan()
+        return outputs
+
+    def _fail(self, model: ServedModel, error: BaseException) -> list[RequestOutput]:
+        model.state, model.error = ModelState.FAILED, str(error)
+        self.pager.set_budget(model.name, 0)
+        reason = ModelUnavailableError(f"model {model.name!r} failed to load: {error}")
+        ids = [rid for rid, t in self._requests.items() if t.model == model.name]
+        return [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
+
+    def _park_at(self, model: ServedModel) -> float | None:
+        """When the model is due to be parked for idleness (None: not while it stays so)."""
+        if (model.state != ModelState.WARM or self.policy.pins_models
+                or self.has_requests(model.name)):
+            return None
+        return model.last_active + self.config.dense_idle_s
+
+    def _park_idle(self, now: float) -> None:
+        for model in list(self.models.values()):
+            due = self._park_at(model)
+            if due is not None and now > due:
+                self.park(model)
+
+    def park(self, model: ServedModel) -> None:
+        """Take the (idle) model's weights and expert slots off the device."""
+        assert model.state == ModelState.WARM and not self.has_requests(model.name)
+        self.engine.set_weights(model.name, None)
+        model.decoder, model.state = None, ModelState.COLD
+        self.residency.apply({model.name: 0})
+
+    # ---- memory ------------------------------------------------------------------------
+    def replan(self) -> None:
+        self._next_plan = self.clock() + self.config.plan_period_s
+        self.residency.apply(self.policy.plan_slots())
+        if self.policy.plans_host_cache:
+            self.residency.share_host_cache()
+
+
+    # ---- reporting ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The plan and every model's traffic, state and pager figures (for metrics)."""
+        now = self.clock()
+        return {"policy": self.config.policy, "device_budget_bytes": self.config.device_memory,
+                "device_used_bytes": self.residency.used_bytes(),
+                "models": {name: self._model_snapshot(m, now)
+                           for name, m in list(self.models.items())}}
+
+    def _model_snapshot(self, model: ServedModel, now: float) -> dict:
+        out = {"state": model.state.value, "error": model.error,
+               "running": self.num_running(model.name),
+               "waiting": self.num_waiting(model.name),
+               "request_rate": model.traffic.request_rate(now),
+               "request_rates": list(model.traffic.request_rates(now)),
+               "token_rate": model.traffic.token_rate(now),
+               "dense_resident": model.state == ModelState.WARM,
+               "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
+        if model.ckpt is not None:
+            pager = self.pager.stats(model.name)
+            out["planned_slots"] = pager["num_slots"]
+            out["pager"] = pager
+        host_bytes = self.residency.host_cache_bytes(model.name)
+        if host_bytes is not None:
+            out["host_cache_bytes"] = host_bytes
+        return out
+
+    def shutdown(self) -> None:
+        self._loader.shutdown()

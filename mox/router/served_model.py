@@ -1,0 +1,155 @@
+"""One model the router serves: its checkpoint, tokenizer and state (cold -> loading -> warm,
+or failed), and the job that loads its weights off the engine thread.
+
+A model that cannot be opened (missing folder, corrupt header, bad tokenizer) is registered
+as failed with the error that names the file: the router keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from mox.errors import CheckpointError, InvalidRequestError, MoxError
+from mox.loaders import Checkpoint
+from mox.loaders.threads import use_one_thread
+from mox.messages import ModelState
+from mox.models import MoEDecoder
+from mox.models.experts import ModelExperts
+from mox.models.loading import load_model
+from mox.router.rates import ModelTraffic
+from mox.tokenizer import Tokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    state: ModelState
+    ckpt: Checkpoint | None = None
+    tokenizer: Tokenizer | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dense_nbytes: int = 0                    # in the serving dtype
+    error: str | None = None
+    decoder: MoEDecoder | None = None
+    traffic: ModelTraffic = field(default_factory=ModelTraffic)
+    last_active: float = -math.inf           # last step or arrival (idle drop, LRU swap)
+    num_loads: int = 0                       # times its weights were read (cold starts)
+
+    @property
+    def holds_device_memory(self) -> bool:
+        return self.state in (ModelState.LOADING, ModelState.WARM)
+
+
+def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
+    """Open the checkpoint and tokenizer (headers only, no weights); a failure is recorded."""
+    try:
+        ckpt = Checkpoint(path)
+        tokenizer = Tokenizer.from_checkpoint(ckpt.path)
+        eos = eos_token_ids(ckpt, tokenizer)
+    except MoxError as e:
+        return ServedModel(name, path, ModelState.FAILED, error=str(e))
+    return ServedModel(name, ckpt.path, ModelState.COLD, ckpt, tokenizer, eos,
+                       dense_nbytes(ckpt, dtype))
+
+
+def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
+    return sum(math.prod(info.shape) * dtype.itemsize for info in ckpt.dense_tensors())
+
+
+def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
+                 experts: ModelExperts, whole: bool) -> MoEDecoder:
+    """On a loader thread: the dense weights, and with `whole` every expert too (the pool
+    must already have room for all of them)."""
+    assert model.ckpt is not None
+    decoder = load_model(model.ckpt, dtype, device, experts)
+    if whole:
+        for moe_layer in range(model.ckpt.spec.num_moe_layers):
+            for _ in experts.waves(moe_layer, range(model.ckpt.spec.num_experts)):
+                pass
+    return decoder
+
+
+class WeightLoader:
+    """One loader thread: `start()` queues a model's `load_weights`; results wait in `landed`
+    for the router's thread to take (`take_landed`), and `wake` is set when one lands."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+        # one intra-op thread, as on the I/O threads (loaders/threads.py): a load must not
+        # take the cores of the models that keep decoding meanwhile
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mox-load",
+                                        initializer=use_one_thread)
+        self._landed: list[tuple[str, MoEDecoder | BaseException]] = []
+        self._lock = threading.Lock()
+
+    def start(self, model: ServedModel, dtype: torch.dtype, device: torch.device,
+              experts: ModelExperts, whole: bool) -> None:
+        future = self._pool.submit(load_weights, model, dtype, device, experts, whole)
+        future.add_done_callback(lambda f, name=model.name: self._land(name, f))
+
+    def _land(self, name: str, future: Future) -> None:
+        result = future.exception() or future.result()
+        with self._lock:
+            self._landed.append((name, result))
+        self.wake.set()
+
+    @property
+    def has_landed(self) -> bool:
+        with self._lock:
+            return bool(self._landed)
+
+    def take_landed(self) -> list[tuple[str, MoEDecoder | BaseException]]:
+        with self._lock:
+            landed, self._landed = self._landed, []
+        return landed
+
+    def drain(self) -> None:
+        """Wait until every queued load has run (its result is then in `landed`)."""
+        self._pool.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"cuda" -> "cuda:N" (the current device): tensors report an indexed device, and a
+    model's parts are compared by device."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in DTYPES.values():
+        raise InvalidRequestError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    if resolved == torch.float16 and device.type == "cpu":
+        # measured: fp16 matmul on this class of CPU is ~1000x slower than bf16
+        raise InvalidRequestError("float16 on CPU is unusably slow; use bfloat16 or float32")
+    return resolved
+
+
+def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """eos ids from config.json, generation_config.json and the tokenizer, as HF merges them."""
+    ids = set(ckpt.spec.eos_token_ids)
+    path = os.path.join(ckpt.path, "generation_config.json")
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(path, f"unreadable JSON: {e}") from e
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,332 @@
+"""The expert pager: budgets, leases, waves, policies, host tier, prefetch, and faults."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mox.errors import MoxError
+from mox.loaders import Checkpoint, CheckpointError
+from mox.loaders.stream import read_tensor
+from mox.pager import ExpertPager, make_pager
+from mox.pager.eviction import LFUPolicy, LRUPolicy, RatePolicy
+
+CPU = torch.device("cpu")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def expected_expert(ckpt: Checkpoint, layer: int, expert: int, dtype: torch.dtype):
+    t = ckpt.experts[layer, expert]
+    gate, up, down = (read_tensor(info).to(dtype) for info in (t.gate, t.up, t.down))
+    return torch.cat([gate, up]), down
+
+
+def assert_slot_holds(pager: ExpertPager, name: str, ckpt: Checkpoint, key, index: int):
+    pool = pager.pool(name)
+    moe_layers = [i for i, m in enumerate(ckpt.spec.moe_layers) if m]
+    w13, w2 = expected_expert(ckpt, moe_layers[key[0]], key[1], pool.dtype)
+    assert torch.equal(pool.w13[index], w13) and torch.equal(pool.w2[index], w2), key
+
+
+def new_pager(ckpt: Checkpoint, num_slots: int | None, dtype=torch.float32, policy="lru",
+              host_memory=None) -> tuple[ExpertPager, str]:
+    pager = make_pager(CPU, host_memory)
+    pager.clock = FakeClock()
+    expert_bytes = 3 * ckpt.spec.hidden_size * ckpt.spec.moe_intermediate_size * dtype.itemsize
+    budget = None if num_slots is None else num_slots * expert_bytes
+    pager.add_model("m", ckpt, dtype, CPU, budget, policy)
+    return pager, "m"
+
+
+@pytest.fixture()
+def ckpt(hf_checkpoints, tmp_path):
+    dst = tmp_path / "olmoe"                   # a private copy: fault tests damage it
+    shutil.copytree(hf_checkpoints["olmoe"][0], dst)
+    return Checkpoint(str(dst))
+
+
+def test_budget_below_top_k_is_refused(ckpt):
+    with pytest.raises(MoxError, match="at least top_k = 2"):
+        new_pager(ckpt, num_slots=1)
+
+
+def test_waves_cover_more_experts_than_slots_exactly_once(ckpt):
+    pager, name = new_pager(ckpt, num_slots=3)
+    seen = []
+    for lease in pager.waves(name, 1, range(8)):
+        assert len(lease.slots) <= 3
+        mapped = [e for e, s in enumerate(lease.slot_map.tolist()) if s >= 0]
+        seen += mapped
+        for expert, index in zip(mapped, lease.slots):
+            assert_slot_holds(pager, name, ckpt, (1, expert), index)
+        pager.check_integrity(name)
+    assert sorted(seen) == list(range(8))
+    stats = pager.stats(name)
+    assert stats["misses"] == 8 and stats["waves"] >= 3
+    assert stats["peak_resident_bytes"] <= stats["budget_bytes"]
+
+
+def test_hits_come_first_and_count(ckpt):
+    pager, name = new_pager(ckpt, num_slots=4)
+    pager.release(pager.acquire(name, 0, [1, 2]))
+    waves = [sorted(e for e, s in enumerate(w.slot_map.tolist()) if s >= 0)
+             for w in pager.waves(name, 0, [1, 2, 5])]
+    assert waves[0] == [1, 2] and waves[1] == [5]
+    assert pager.stats(name)["hits"] == 2
+
+
+def test_leased_experts_are_never_evicted(ckpt):
+    pager, name = new_pager(ckpt, num_slots=3)
+    held = pager.acquire(name, 0, [0, 1])
+    for lease in pager.waves(name, 1, range(8)):          # only one slot left to cycle
+        assert len(lease.slots) == 1
+    for expert, index in zip([0, 1], held.slots):
+        assert pager.pool(name).lookup((0, expert)) == index
+    pager.release(held)
+    pager.check_integrity(name)
+
+
+def test_shrinking_budget_evicts_unleased_and_compacts(ckpt):
+    pager, name = new_pager(ckpt, num_slots=6)
+    pager.release(pager.acquire(name, 0, range(6)))
+    held = pager.acquire(name, 0, [4])
+    pager.set_budget(name, 2 * pager.stats(name)["expert_bytes"])
+    assert pager.pool(name).num_occupied == 2              # the leased one plus one more
+    pager.release(held)                                    # quiet: the pool shrinks to fit
+    pool = pager.pool(name)
+    assert pool.num_slots == 2 and pool.lookup((0, 4)) != -1
+    pager.check_integrity(name)
+    assert_slot_holds(pager, name, ckpt, (0, 4), pool.lookup((0, 4)))
+    pager.set_budget(name, 5 * pager.stats(name)["expert_bytes"])       # grows when quiet
+    assert pool.num_slots == 5
+
+
+def test_cpu_pools_resize_in_place_and_give_pages_back():
+    from mox.pager.slot_pool import SlotPool
+    pool = SlotPool(2, 8, 1024, 512, torch.bfloat16, CPU, num_slots=6)
+    base = pool.w13.data_ptr()
+    for index in range(6):                                 # experts (0, 0..5) in slots 0..5
+        pool.reserve(index, (0, index), prefetched=False)
+        for part in pool._parts():
+            part[index].fill_(index + 1)
+        pool.commit(index)
+        pool.slots[index].pins -= 1
+    for index in (0, 2, 3):
+        pool.clear(index)
+    pool.target_slots = 3
+    pool.compact([1, 4, 5])                       # 1 stays; 4 and 5 move into 0 and 2
+    assert pool.w13.data_ptr() == base and pool.num_slots == 3
+    assert pool.in_use()[0].shape[0] == 3
+    for expert in (1, 4, 5):
+        index = pool.lookup((0, expert))
+        assert index < 3 and all(bool((part[index] == expert + 1).all())
+                                 for part in pool._parts())
+    assert not pool.w13[4:6].any()                # the tail's pages went back (read as zero)
+    pool.check_integrity()
+    pool.target_slots = 8
+    pool.grow()
+    assert pool.w13.data_ptr() == base and pool.num_slots == 8
+    assert all(pool.lookup((0, e)) != -1 for e in (1, 4, 5))
+
+
+def test_policies_choose_their_victims():
+    lru, lfu, rate = LRUPolicy(), LFUPolicy(), RatePolicy(half_life_s=10.0)
+    for t, key in enumerate([(0, 1), (0, 2), (0, 1), (0, 1), (0, 3)]):
+        for policy in (lru, lfu, rate):
+            policy.on_access(key, float(t))
+    keys = [(0, 1), (0, 2), (0, 3)]
+    assert lru.victims(keys, 1, 5.0) == [(0, 2)]           # least recently used
+    assert lru.victims(keys, 2, 5.0) == [(0, 2), (0, 1)]
+    assert lfu.victims(keys, 1, 5.0) == [(0, 2)]           # used once, earlier than (0, 3)
+    lfu.on_evict((0, 1))
+    assert lfu.counts[(0, 1)] == 3                         # counts survive eviction
+    assert rate.victims(keys, 1, 5.0) == [(0, 2)]
+    assert rate.victims(keys + [(0, 9)], 1, 5.0) == [(0, 9)]       # never used goes first
+    # decayed: after a long quiet spell, one fresh use beats three old ones
+    rate.on_access((0, 3), 100.0)
+    assert rate.victims([(0, 1), (0, 3)], 1, 100.0) == [(0, 1)]
+    # the frequency halves every half-life: (0, 1) was used at t = 0, 2, 3
+    expected = sum(0.5 ** ((30.0 - t) / 10.0) for t in (0.0, 2.0, 3.0))
+    assert rate.frequency((0, 1), 30.0) == pytest.approx(expected)
+    assert rate.frequency((0, 7), 30.0) == 0.0
+
+
+def test_host_tier_serves_evicted_experts(ckpt):
+    expert_bytes_disk = ckpt.expert_nbytes
+    pager, name = new_pager(ckpt, num_slots=2, host_memory=8 * expert_bytes_disk)
+    for _ in pager.waves(name, 0, range(6)):               # 6 experts through 2 slots
+        pass
+    before = pager.stats(name)
+    assert before["bytes_read_disk"] == 6 * expert_bytes_disk
+    for lease in pager.waves(name, 0, range(6)):
+        for expert, index in zip([e for e, s in enumerate(lease.slot_map.tolist()) if s >= 0],
+                                 lease.slots):
+            assert_slot_holds(pager, name, ckpt, (0, expert), index)
+    after = pager.stats(name)
+    assert after["bytes_read_disk"] == before["bytes_read_disk"]
+    assert after["bytes_read_host"] > 0
+
+
+def test_prefetch_loads_ahead_and_counts_hits(ckpt):
+    pager, name = new_pager(ckpt, num_slots=8)
+    pager.prefetch(name, 1, [3, 4])
+    for _ in pager.waves(name, 1, [3, 4]):
+        pass
+    stats = pager.stats(name)
+    assert stats["prefetches"] == 2 and stats["prefetch_hits"] == 2
+
+
+def test_prefetch_never_evicts_protected_layers(ckpt):
+    pager, name = new_pager(ckpt, num_slots=2)
+    pager.release(pager.acquire(name, 0, [0, 1]))
+    pager.prefetch(name, 1, [5], protect_layers=(0,))
+    assert pager.stats(name)["prefetches"] == 0
+    pager.prefetch(name, 1, [5])
+    assert pager.stats(name)["prefetches"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_file_fails_the_step_and_recovers(ckpt, damage):
+    pager, name = new_pager(ckpt, num_slots=4)
+    shard = ckpt.experts[1, 6].down.file
+    saved = shard + ".saved"
+    shutil.copy(shard, saved)
+    if damage == "truncate":
+        os.truncate(shard, ckpt.experts[1, 6].gate.offset)
+    else:
+        os.remove(shard)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*layer 1 expert 6"):
+        for _ in pager.waves(name, 1, [6]):
+            pass
+    pager.check_integrity(name)
+    assert pager.pool(name).lookup((1, 6)) == -1 and pager.pool(name).num_occupied == 0
+    os.replace(saved, shard)                               # the file is back
+    lease = pager.acquire(name, 1, [6])
+    assert_slot_holds(pager, name, ckpt, (1, 6), lease.slots[0])
+    pager.release(lease)
+
+
+class PagerMachine(RuleBasedStateMachine):
+    """Random acquire / release / set_budget / prefetch / policy changes. Invariants: the
+    budget holds (beyond it only experts leased when it shrank), leased experts stay put,
+    and every resident slot holds exactly its expert's checkpoint bytes."""
+
+    ckpt: Checkpoint = None   # set by the test
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pager, self.name = new_pager(self.ckpt, num_slots=4, dtype=torch.bfloat16)
+        self.leases = []
+
+    def _pinned(self) -> int:
+        return sum(len(lease.slots) for lease in self.leases)
+
+    @rule(layer=st.integers(0, 1), experts=st.sets(st.integers(0, 7), min_size=1, max_size=3))
+    def acquire(self, layer, experts):
+        target = self.pager.pool(self.name).target_slots
+        held = {(lease.moe_layer, e) for lease in self.leases
+                for e, s in enumerate(lease.slot_map.tolist()) if s >= 0}
+        new = {(layer, e) for e in experts} - held
+        if self._pinned() + len(new) > target or new != {(layer, e) for e in experts}:
+            return                          # would wait for a lease this test never releases
+        self.leases.append(self.pager.acquire(self.name, layer, experts))
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data):
+        lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        self.pager.release(lease)
+
+    @rule(slots=st.integers(2, 7))
+    def set_budget(self, slots):
+        self.pager.set_budget(self.name, slots * self.pager.stats(self.name)["expert_bytes"])
+
+    @rule(layer=st.integers(0, 1), experts=st.sets(st.integers(0, 7), max_size=4))
+    def prefetch(self, layer, experts):
+        self.pager.prefetch(self.name, layer, experts)
+        self.pager.wait_for_loads(self.name)      # keep the run deterministic for shrinking
+
+    @rule(policy=st.sampled_from(["lru", "lfu", "rate"]))
+    def set_policy(self, policy):
+        self.pager.set_policy(self.name, policy)
+
+    @invariant()
+    def tables_are_consistent(self):
+        self.pager.check_integrity(self.name)
+
+    @invariant()
+    def budget_holds(self):
+        stats = self.pager.stats(self.name)
+        pinned_bytes = self._pinned() * stats["expert_bytes"]
+        assert stats["resident_bytes"] <= max(stats["budget_bytes"], pinned_bytes)
+
+    @invariant()
+    def leased_experts_stay_and_hold_their_bytes(self):
+        pool = self.pager.pool(self.name)
+        for lease in self.leases:
+            for expert, s in enumerate(lease.slot_map.tolist()):
+                if s >= 0:
+                    assert pool.lookup((lease.moe_layer, expert)) == s
+                    assert_slot_holds(self.pager, self.name, self.ckpt,
+                                      (lease.moe_layer, expert), s)
+
+    @invariant()
+    def resident_slots_hold_their_bytes(self):
+        pool = self.pager.pool(self.name)
+        for index, slot in enumerate(pool.slots):
+            if slot.key is not None and not slot.loading:
+                assert_slot_holds(self.pager, self.name, self.ckpt, slot.key, index)
+
+    def teardown(self):
+        for lease in self.leases:
+            self.pager.release(lease)
+
+
+def test_pager_state_machine(ckpt):
+    PagerMachine.ckpt = ckpt
+    examples = int(os.environ.get("MOX_STATEFUL_EXAMPLES", "30"))   # raise it to soak
+    PagerMachine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25,
+                                              deadline=None)
+    PagerMachine.TestCase().runTest()
+
+
+def test_prefetch_popular_takes_only_clearly_popular_experts(ckpt):
+    pager, name = new_pager(ckpt, num_slots=8)
+    for _ in range(20):                                    # layer 0 always uses experts 1, 2
+        for _lease in pager.waves(name, 0, [1, 2]):
+            pass
+        for _lease in pager.waves(name, 1, [3, 4]):
+            pass
+    pager.set_budget(name, 0)                              # parked, then back: a cold pool
+    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
+    started = pager.prefetch_popular(name, limit=8)
+    pager.wait_for_loads(name)
+    pool = pager.pool(name)
+    resident = {pool.slots[i].key for i in range(pool.num_slots) if pool.slots[i].key}
+    assert started == 4 and resident == {(0, 1), (0, 2), (1, 3), (1, 4)}
+    pager.check_integrity(name)
+
+
+def test_prefetch_popular_skips_uniform_usage(ckpt):
+    pager, name = new_pager(ckpt, num_slots=8)
+    num_experts = ckpt.spec.num_experts
+    for step in range(num_experts):                        # every expert equally often
+        for _lease in pager.waves(name, 0, [step, (step + 1) % num_experts]):
+            pass
+    pager.set_budget(name, 0)
+    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
+    assert pager.prefetch_popular(name, limit=8) == 0

@@ -1,0 +1,160 @@
+"""The planner (pure) and the traffic statistics it plans from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mox.pager.usage import ExpertUsage
+from mox.router.planner import (
+    HYSTERESIS,
+    RESIZE_MIN_INTERVAL_S,
+    ModelDemand,
+    Plan,
+    plan_slots,
+    settle,
+)
+from mox.router.rates import DecayedRate, ModelTraffic
+
+NBYTES = 1000
+
+
+def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, skew=1.0,
+            resized_ago_s=float("inf")):
+    usage = np.tile((np.arange(experts, 0, -1) ** skew) / experts, (layers, 1))
+    return ModelDemand(name, rate, has_work, usage, NBYTES, top_k, current, resized_ago_s)
+
+
+def test_slots_follow_the_rates():
+    budget = 20 * NBYTES
+    plan = plan_slots([_demand("a", 10.0), _demand("b", 1.0)], budget)
+    assert plan.slots["a"] > plan.slots["b"] >= 4          # b keeps its working set
+    shifted = plan_slots([_demand("a", 1.0, current=plan.slots["a"]),
+                          _demand("b", 10.0, current=plan.slots["b"])], budget)
+    assert shifted.slots["b"] > shifted.slots["a"]
+    assert sum(shifted.slots.values()) * NBYTES <= budget
+
+
+def test_hysteresis_keeps_slots_under_small_rate_changes():
+    first = plan_slots([_demand("a", 1.0), _demand("b", 1.0)], 20 * NBYTES)
+    wobble = 1.0 + HYSTERESIS / 2
+    again = plan_slots([_demand("a", 1.0, current=first.slots["a"]),
+                        _demand("b", wobble, current=first.slots["b"])], 20 * NBYTES)
+    assert again.slots == first.slots
+
+
+def test_idle_models_get_no_floor_but_may_keep_leftovers():
+    plan = plan_slots([_demand("busy", 1.0), _demand("idle", 0.0, has_work=False)],
+                      100 * NBYTES)
+    assert plan.slots["busy"] == 16                       # every expert: it has all it wants
+    assert plan.slots["idle"] == 16                       # leftover memory keeps what it has
+    tight = plan_slots([_demand("busy", 1.0), _demand("idle", 0.0, has_work=False)],
+                       16 * NBYTES)
+    assert tight.slots == {"busy": 16, "idle": 0}
+
+
+def test_floors_fall_back_to_top_k_when_working_sets_do_not_fit():
+    demands = [_demand(str(i), 1.0) for i in range(4)]   # working sets: 4 slots each
+    plan = plan_slots(demands, 9 * NBYTES)
+    assert all(n >= 2 for n in plan.slots.values()) and sum(plan.slots.values()) <= 9
+
+
+def test_no_budget_means_every_expert():
+    assert plan_slots([_demand("a", 0.0)], None).slots == {"a": 16}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
+       work=st.lists(st.booleans(), min_size=5, max_size=5),
+       budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
+                                                              max_size=5))
+def test_plans_never_exceed_the_budget(rates, work, budget_slots, current):
+    demands = [_demand(str(i), r, work[i], current=current[i]) for i, r in enumerate(rates)]
+    plan = plan_slots(demands, budget_slots * NBYTES)
+    assert sum(plan.slots.values()) <= budget_slots
+    for d in demands:
+        assert 0 <= plan.slots[d.name] <= d.max_slots
+        assert plan.slots[d.name] == 0 or plan.slots[d.name] >= d.top_k
+        if d.has_work:
+            assert plan.slots[d.name] >= d.top_k
+
+
+def test_decayed_rate_estimates_a_steady_rate():
+    rng = np.random.default_rng(0)
+    rate = DecayedRate(60.0)
+    now = 0.0
+    for gap in rng.exponential(1 / 5.0, size=5000):       # Poisson at 5 requests/s
+        now += gap
+        rate.add(now)
+    assert rate.rate(now) == pytest.approx(5.0, rel=0.2)
+    assert rate.rate(now + 600) < 0.01 * rate.rate(now)   # and forgets
+
+
+def test_traffic_rises_and_falls():
+    traffic = ModelTraffic()
+    for i in range(20):
+        traffic.on_arrival(1000.0 + i * 0.1)
+    assert traffic.is_rising(1002.0)
+    assert traffic.request_rate(1002.0) > 1.0
+    assert not traffic.is_rising(1300.0)
+
+
+def test_expert_usage_is_a_decayed_frequency():
+    usage = ExpertUsage(num_layers=1, num_experts=4, top_k=1, half_life_s=10.0)
+    for t in range(100):
+        usage.record(0, [0], float(t))
+    p = usage.probabilities(100.0)
+    assert p[0, 0] > 0.9 and p[0, 1:].max() < 0.1
+    for t in range(100, 200):                              # traffic moves to expert 3
+        usage.record(0, [3], float(t))
+    p = usage.probabilities(200.0)
+    assert p[0, 3] > 0.9 and p[0, 0] < 0.1
+    usage.record(0, [1], 1e6)                              # far later: weights rebase
+    assert np.isfinite(usage.probabilities(1e6)).all()
+
+
+def test_small_resizes_are_not_applied_unless_the_budget_needs_them():
+    demands = [_demand("a", 1.0, current=12), _demand("b", 1.0, current=8)]
+    assert settle(Plan({"a": 12, "b": 8}, 20 * NBYTES), demands) == {"a": 12, "b": 8}
+    nudged = Plan({"a": 11, "b": 9}, 20 * NBYTES)
+    assert settle(nudged, demands) == {"a": 12, "b": 8}           # +-1: within the band
+    tight = Plan({"a": 11, "b": 9}, 19 * NBYTES)            # budget shrank by one
+    settled = settle(tight, demands)
+    assert sum(settled.values()) <= 19 and settled["a"] == 11
+    moved = Plan({"a": 4, "b": 16}, 20 * NBYTES)            # a real shift applies
+    assert settle(moved, demands) == {"a": 4, "b": 16}
+
+
+def test_a_pool_is_not_resized_twice_within_the_interval():
+    recent = RESIZE_MIN_INTERVAL_S / 2
+    demands = [_demand("a", 1.0, current=12, resized_ago_s=recent),
+               _demand("b", 1.0, current=8)]
+    moved = Plan({"a": 4, "b": 16}, 20 * NBYTES)
+    assert settle(moved, demands) == {"a": 12, "b": 8}     # b can run: its growth waits
+    later = [_demand("a", 1.0, current=12, resized_ago_s=2 * RESIZE_MIN_INTERVAL_S),
+             _demand("b", 1.0, current=8)]
+    assert settle(moved, later) == {"a": 4, "b": 16}
+    # a model that cannot run yet gets its floor at once: a's planned shrink applies
+    newcomer = [_demand("a", 1.0, current=20, resized_ago_s=recent),
+                _demand("b", 1.0, current=0)]
+    assert settle(Plan({"a": 16, "b": 4}, 20 * NBYTES), newcomer) == {"a": 16, "b": 4}
+    # below its working set (top_k x layers = 4) a pool grows even if resized just now
+    small = [_demand("a", 1.0, current=12, resized_ago_s=recent),
+             _demand("b", 1.0, current=2, resized_ago_s=recent)]
+    assert settle(Plan({"a": 12, "b": 4}, 16 * NBYTES), small) == {"a": 12, "b": 4}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
+       budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
+                                                              max_size=5),
+       recent=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_settled_plans_never_exceed_the_budget(rates, budget_slots, current, recent):
+    demands = [_demand(str(i), r, current=current[i],
+                       resized_ago_s=0.0 if recent[i] else float("inf"))
+               for i, r in enumerate(rates)]
+    settled = settle(plan_slots(demands, budget_slots * NBYTES), demands)
+    assert sum(settled.values()) <= budget_slots
+    assert all(n == 0 or n >= 2 for n in settled.values())

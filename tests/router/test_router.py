@@ -1,0 +1,296 @@
+"""The router on tiny real checkpoints, with an injected clock: plans follow traffic within
+the budget, cold starts, admission, timeouts, idle parking and every policy."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mox import LLM
+from mox.errors import AdmissionError, ModelUnavailableError, RequestTimeoutError
+from mox.messages import FinishReason, ModelState, Request
+from mox.router import ROUTER_POLICIES, Router, RouterConfig
+from mox.sampling import SamplingParams
+
+STEP_S = 0.05                     # simulated seconds per engine step
+MAX_STEPS = 2000
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, **config) -> Router:
+    """Models named `names`, each the tiny olmoe checkpoint (8 experts x 2 layers), with a
+    device budget of every dense weight plus `experts` experts."""
+    path = hf_checkpoints["olmoe"][0]
+    probe = Router({"probe": path}, RouterConfig(dtype="float32"))
+    dense, expert = probe.models["probe"].dense_nbytes, probe.residency.slot_bytes("probe")
+    config = {"dtype": "float32", "kv_memory": 16 << 20, "plan_period_s": 1.0,
+              "device_memory": len(names) * dense + experts * expert, **config}
+    return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock())
+
+
+def _step(router: Router, clock: FakeClock | None = None) -> list:
+    """One router step; waits for a landing load when there is nothing to run."""
+    if not router.has_work and any(m.state == ModelState.LOADING
+                                   for m in router.models.values()):
+        assert router.wake.wait(30), "a load never landed"
+        router.wake.clear()
+    outputs = router.step()
+    budget = router.config.device_memory
+    if budget is not None and router.config.policy != "all-resident":
+        assert router.residency.used_bytes() <= budget
+    if clock is not None:
+        clock.now += STEP_S
+    return outputs
+
+
+def _run(router: Router, clock: FakeClock | None, until) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    for _ in range(MAX_STEPS):
+        for out in _step(router, clock):
+            outputs.setdefault(out.request_id, []).append(out)
+        if until(outputs):
+            return outputs
+    raise AssertionError("did not finish")
+
+
+def _finished(ids):
+    return lambda outs: all(any(o.finish_reason for o in outs.get(i, [])) for i in ids)
+
+
+def test_slots_follow_a_shift_of_traffic(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, experts=12)
+    counter = iter(range(10**6))
+
+    def traffic(model: str, periods: int) -> None:
+        for _ in range(periods):
+            ids = [f"{model}{next(counter)}" for _ in range(2)]
+            for i, rid in enumerate(ids):
+                router.add_request(Request(rid, model, [3 + i, 4, 5], _params(4)))
+            _run(router, clock, _finished(ids))
+            clock.now += 1.0
+
+    traffic("a", 6)
+    slots_a = router.pager.pool("a").target_slots
+    assert slots_a > 6                                   # a holds most of the 12
+    traffic("b", 12)
+    pools = {n: router.pager.pool(n).target_slots for n in "ab"}
+    assert pools["b"] > pools["a"] and pools["a"] < slots_a
+    assert sum(pools.values()) <= 12
+
+
+def test_steady_traffic_does_not_thrash(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, experts=10)
+    history = []
+    for period in range(12):
+        ids = [f"{m}{period}" for m in "ab"]
+        for rid in ids:
+            router.add_request(Request(rid, rid[0], [3, 4, 5 + period % 3], _params(3)))
+        _run(router, clock, _finished(ids))
+        clock.now += 1.0
+        history.append(tuple(router.pager.pool(n).target_slots for n in "ab"))
+    steady = history[4:]
+    changes = sum(x != y for x, y in zip(steady, steady[1:]))
+    assert changes <= 1, history
+
+
+def test_a_cold_model_is_served_while_hot_models_decode(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=12)
+    for m in "ab":
+        router.add_request(Request(f"{m}-long", m, [3, 4, 5], _params(60)))
+    _run(router, clock, lambda outs: len(outs.get("a-long", [])) >= 3
+         and len(outs.get("b-long", [])) >= 3)
+    assert router.models["c"].state == ModelState.COLD
+    router.add_request(Request("c-1", "c", [7, 8], _params(4)))
+    outs = _run(router, clock, _finished(["c-1"]))
+    assert not any(o.finish_reason for o in outs.get("a-long", []) + outs.get("b-long", []))
+    assert len(outs["a-long"]) > 0 and len(outs["b-long"]) > 0      # they kept decoding
+    assert router.models["c"].num_loads == 1
+    router.add_request(Request("c-2", "c", [7, 9], _params(2)))
+    _run(router, clock, _finished(["c-2"]))
+    assert router.models["c"].num_loads == 1                          # loaded once
+    for name in router.models:
+        router.pager.check_integrity(name)
+
+
+def test_admission_limits_and_queue_timeouts(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, max_waiting_per_model=2, max_waiting=3,
+                     queue_timeout_s=5.0)
+    router.add_request(Request("a1", "a", [3], _params(2)))
+    router.add_request(Request("a2", "a", [3], _params(2)))
+    with pytest.raises(AdmissionError) as refused:
+        router.add_request(Request("a3", "a", [3], _params(2)))
+    assert refused.value.retry_after_s >= 1
+    router.add_request(Request("b1", "b", [3], _params(2)))
+    with pytest.raises(AdmissionError, match="server"):
+        router.add_request(Request("b2", "b", [3], _params(2)))
+    clock.now += 6.0                                     # nothing ran: all waited too long
+    outputs = router.step()
+    assert {o.request_id for o in outputs} == {"a1", "a2", "b1"}
+    assert all(o.finish_reason == FinishReason.ABORT for o in outputs)
+    error = router.take_error("a1")
+    assert isinstance(error, RequestTimeoutError) and "5 s" in str(error)
+    assert router.engine.kv_pool.used_bytes == 0 and router.engine.num_live == 0
+
+
+def test_idle_models_are_parked(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, dense_idle_s=30.0)
+    router.add_request(Request("a1", "a", [3, 4], _params(3)))
+    _run(router, clock, _finished(["a1"]))
+    used = router.residency.used_bytes()
+    assert router.models["a"].state == ModelState.WARM and used > 0
+    clock.now += 31.0
+    router.step()
+    assert router.models["a"].state == ModelState.COLD
+    assert router.residency.used_bytes() == 0
+    router.add_request(Request("a2", "a", [3, 4], _params(3)))       # and comes back
+    _run(router, clock, _finished(["a2"]))
+    assert router.models["a"].num_loads == 2
+
+
+def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):
+    clock = FakeClock()
+    probe = _router(hf_checkpoints, names=("p",), experts=0)
+    whole = probe.models["p"].dense_nbytes + 16 * probe.residency.slot_bytes("p")
+    router = _router(hf_checkpoints, clock=clock, policy="model-swap", experts=0,
+                     device_memory=whole + 1000)            # one whole model at a time
+    for i, model in enumerate("abab"):
+        router.add_request(Request(f"r{i}", model, [3, 4], _params(2)))
+        _run(router, clock, _finished([f"r{i}"]))
+        assert router.pager.stats(model)["num_slots"] == 16
+    assert router.models["a"].num_loads == 2 and router.models["b"].num_loads == 2
+    stats = router.pager.stats("a")
+    assert stats["bytes_read"] == 2 * 16 * stats["expert_bytes"]   # every expert, each load
+
+
+def test_all_resident_loads_everything_and_never_evicts(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, policy="all-resident")
+    for model in "ab":
+        router.warm_up(model)
+    loaded = {m: router.pager.stats(m)["misses"] for m in "ab"}
+    assert loaded == {"a": 16, "b": 16}                    # every expert read at start-up
+    for i in range(6):
+        router.add_request(Request(f"r{i}", "ab"[i % 2], [3 + i, 4], _params(3)))
+    _run(router, clock, _finished([f"r{i}" for i in range(6)]))
+    for model in "ab":
+        stats = router.pager.stats(model)
+        assert stats["evictions"] == 0 and stats["misses"] == loaded[model]
+        assert stats["num_slots"] == 16
+        assert router.models[model].num_loads == 1
+
+
+def test_a_broken_checkpoint_fails_only_its_model(hf_checkpoints, tmp_path):
+    good = hf_checkpoints["olmoe"][0]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(good):
+        data = open(os.path.join(good, name), "rb").read()
+        if name.endswith(".safetensors"):
+            data = data[: len(data) // 2]                       # truncated
+        (broken / name).write_bytes(data)
+    router = Router({"good": good, "bad": str(broken)}, RouterConfig(dtype="float32"))
+    bad = router.models["bad"]
+    assert bad.state == ModelState.FAILED and ".safetensors" in bad.error
+    with pytest.raises(ModelUnavailableError, match="safetensors"):
+        router.add_request(Request("x", "bad", [3], _params(2)))
+    router.add_request(Request("y", "good", [3], _params(2)))
+    _run(router, None, _finished(["y"]))
+    assert router.snapshot()["models"]["bad"]["state"] == "failed"
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_llm_accepts_every_policy(hf_checkpoints, policy):
+    path = hf_checkpoints["olmoe"][0]
+    reference = LLM(path, dtype="float32").generate(prompt_token_ids=[[3, 4, 5]], max_tokens=6,
+                                                    temperature=0.0, ignore_eos=True)
+    # about 4 of the 16 experts; whole-model policies need the whole model
+    budget = None if policy in ("all-resident", "model-swap") else 100_000
+    llm = LLM(path, dtype="float32", policy=policy, expert_memory=budget)
+    out = llm.generate(prompt_token_ids=[[3, 4, 5]], max_tokens=6, temperature=0.0,
+                       ignore_eos=True)
+    assert out[0].token_ids == reference[0].token_ids
+    plan = llm.plan()
+    assert plan["policy"] == policy and plan["models"][llm.name]["state"] == "warm"
+
+
+def test_host_cache_is_shared_by_request_rate(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, experts=4, host_memory=1 << 20)
+    for i in range(8):
+        router.add_request(Request(f"a{i}", "a", [3 + i, 4], _params(2)))
+    router.add_request(Request("b0", "b", [3, 4], _params(2)))
+    _run(router, clock, _finished([f"a{i}" for i in range(8)] + ["b0"]))
+    router.replan()
+    host = router.pager.loader.host_cache
+    assert host.quota("a") > 4 * host.quota("b") > 0
+    assert host.used_by("a") <= host.quota("a") and host.used_by("b") <= host.quota("b")
+    assert router.snapshot()["models"]["a"]["host_cache_bytes"] == host.used_by("a")
+
+
+def test_models_can_be_removed_and_added_while_serving(hf_checkpoints):
+    from mox.errors import ModelNotFoundError
+
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock)
+    router.add_request(Request("a1", "a", [3, 4], _params(2)))
+    _run(router, clock, _finished(["a1"]))
+    router.add_request(Request("a2", "a", [3, 4], _params(50)))
+    outputs = router.remove_model("a")
+    assert [o.finish_reason for o in outputs] == [FinishReason.ABORT]
+    assert isinstance(router.take_error("a2"), ModelNotFoundError)
+    assert "a" not in router.models and router.residency.used_bytes() == 0
+    with pytest.raises(ModelNotFoundError):
+        router.add_request(Request("a3", "a", [3], _params(2)))
+    router.add_model("c", hf_checkpoints["mixtral"][0])
+    router.add_request(Request("c1", "c", [3, 4], _params(2)))
+    router.add_request(Request("b1", "b", [3, 4], _params(2)))
+    _run(router, clock, _finished(["c1", "b1"]))
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_an_idle_router_has_nothing_due_now(hf_checkpoints, policy):
+    """A driver sleeps `seconds_until_due()`: it must not be 0 while idle (a busy loop)."""
+    clock = FakeClock()
+    router = _router(hf_checkpoints, clock=clock, policy=policy,
+                     device_memory=None if policy in ("all-resident", "model-swap") else 10**9)
+    router.add_request(Request("a1", "a", [3, 4], _params(2)))
+    _run(router, clock, _finished(["a1"]))
+    for _ in range(3):                                 # past the idle time, too
+        clock.now += 200.0
+        router.step()
+        due = router.seconds_until_due()
+        assert due is None or due > 0, (policy, due)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_grown_pool_prefetches_popular_experts_only_where_prefetch_is_on(hf_checkpoints,
+                                                                            prefetch):
+    # on a CPU (prefetch off by default) guessed reads would take the cores and the disk
+    # from the models' own misses
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a",), clock=clock, experts=16, prefetch=prefetch)
+    router.add_request(Request("r", "a", list(range(3, 40)), _params(2)))
+    _run(router, clock, _finished(["r"]))
+    router.residency.apply({"a": 0})
+    before = router.pager.stats("a")["prefetches"]
+    router.residency.apply({"a": 16})
+    router.pager.wait_for_loads("a")
+    started = router.pager.stats("a")["prefetches"] - before
+    assert (started > 0) == prefetch
