@@ -16,10 +16,9 @@ import torch
 from mox.engine.engine import Engine
 from mox.errors import InvalidRequestError, ModelUnavailableError, MoxError
 from mox.loaders import Checkpoint
-from mox.loaders.threads import use_compute_threads
 from mox.messages import FinishReason, ModelState, Request
 from mox.models import MoEDecoder
-from mox.pager import ExpertPager
+from mox.pager import ModelPool
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.router.served_model import dense_nbytes, resolve_device, resolve_dtype
 from mox.sampling import SamplingParams
@@ -78,16 +77,15 @@ class LLM:
         self.tokenizer: Tokenizer | None = served.tokenizer
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
-        # the caller's thread runs the steps (loaders/threads.py)
-        use_compute_threads(self.engine.compute_threads)
 
     @property
     def engine(self) -> Engine:
         return self.router.engine
 
     @property
-    def pager(self) -> ExpertPager:
-        return self.router.pager
+    def pool(self) -> ModelPool:
+        """The model's experts in the pager: its slots, leases, statistics."""
+        return self.router.models[self.name].pool
 
     @property
     def model(self) -> MoEDecoder:
@@ -101,7 +99,7 @@ class LLM:
     def pager_stats(self) -> dict:
         """hits, misses, prefetch_hits, bytes_read (disk + host), read_seconds,
         peak_resident_bytes, budget_bytes, evictions, waves, ..."""
-        return self.pager.stats(self.checkpoint.path)
+        return self.pool.stats()
 
     def generate(self, prompts: str | list[str] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, max_tokens: int = 16,

@@ -24,7 +24,7 @@ from mox.registry import ModelEntry, Registry
 from mox.router import Router, RouterConfig
 from mox.router.driver import AsyncEngine
 from mox.server.app import create_app, start_server
-from mox.server.backend import ModelInfo, PageInObserver
+from mox.server.backend import ModelInfo
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
 
@@ -70,9 +70,6 @@ class RouterBackend:
 
     def snapshot(self) -> dict:
         return self.router.snapshot()
-
-    def set_page_in_observer(self, observer: PageInObserver) -> None:
-        self.router.pager.on_page_in = observer
 
     def follow_registry(self, entries: list[ModelEntry]) -> None:
         """Serve exactly the registry's models (on the engine thread)."""

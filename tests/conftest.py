@@ -80,17 +80,12 @@ def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
     return model
 
 
-def open_tiny(path: str, dtype: torch.dtype = torch.float32, expert_memory: int | None = None,
-              policy: str = "rate", prefetch: bool | None = None,
-              host_memory: int | None = None):
-    """A mox model on CPU with its own pager (all experts resident unless budgeted)."""
-    from mox.loaders import Checkpoint
-    from mox.models import open_model
-    from mox.pager import make_pager
+def open_tiny(path: str, dtype: torch.dtype = torch.float32):
+    """A loaded mox decoder on CPU, every expert resident: built as `LLM` builds it (a router
+    of its own), which keeps the pager and loader threads it reads through alive."""
+    from mox import LLM
 
-    cpu = torch.device("cpu")
-    return open_model(Checkpoint(path), dtype, cpu, make_pager(cpu, host_memory),
-                      expert_memory, policy, prefetch)
+    return LLM(path, dtype=dtype, kv_memory=1 << 20).model
 
 
 @pytest.fixture(scope="session")

@@ -40,14 +40,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-import mox.pager
+import mox.pager.model_pool
 from mox import LLM
 from mox.demo import default_home, ensure_demo_models
 from mox.loaders import Checkpoint
 from mox.loaders.stream import StreamingReader
-from mox.models import open_model
-from mox.pager import ExpertPager
+from mox.models import load_model
+from mox.pager import ExpertPager, ModelPool
 from mox.pager.expert_loader import FROM_DISK, ExpertLoader, LoadResult
+from mox.pager.slot_pool import expert_nbytes
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
 VARIANTS = ("paging", "paging+pf", "whole-model", "lazy-mmap")
@@ -92,13 +93,14 @@ def dd_gbps(path: str) -> float:
 
 
 class Probe:
-    """Wraps a pager's waves() and prefetch() and its loader's load() (instance attributes,
-    public methods) to time the forward's waits and when an expert read is in flight."""
+    """Wraps a model pool's waves() and prefetch() and its loader's load() (instance
+    attributes, public methods) to time the forward's waits and when an expert read is in
+    flight."""
 
-    def __init__(self, pager: ExpertPager) -> None:
+    def __init__(self, pool: ModelPool) -> None:
         self.pager_s, self.reads = 0.0, []      # reads: (start, end) of each expert load
-        self._waves, self._prefetch, self._load = pager.waves, pager.prefetch, pager.loader.load
-        pager.waves, pager.prefetch, pager.loader.load = self.waves, self.prefetch, self.load
+        self._waves, self._prefetch, self._load = pool.waves, pool.prefetch, pool.loader.load
+        pool.waves, pool.prefetch, pool.loader.load = self.waves, self.prefetch, self.load
 
     def _timed(self, fn, *args, **kwargs):
         start = time.perf_counter()
@@ -157,29 +159,35 @@ def run(variant: str, path: str, ids: list[int], budget: int) -> dict:
     resident = evict(path)
     start, cpu = time.perf_counter(), sum(os.times()[:2])   # user + sys
     if variant == "lazy-mmap":
-        ckpt, pager = Checkpoint(path), ExpertPager(MmapExpertLoader())
-        model = open_model(ckpt, torch.bfloat16, torch.device("cpu"), pager, budget,
-                           prefetch=False)
+        # the pager over a loader that faults experts in from safetensors' mmap (not mox's
+        # reader): the one variant built outside the router, to swap its loader
+        ckpt, cpu = Checkpoint(path), torch.device("cpu")
+        spec = ckpt.spec
+        per_expert = expert_nbytes(spec.hidden_size, spec.moe_intermediate_size,
+                                   torch.bfloat16, spec.expert_bias)
+        pool = ExpertPager(MmapExpertLoader()).add_model(ckpt.path, ckpt, torch.bfloat16, cpu,
+                                                         budget // per_expert)
+        model = load_model(ckpt, torch.bfloat16, cpu, pool)
         first = lambda: int(model.forward(torch.tensor(ids), model.new_cache())[-1].argmax())
     else:
         llm = LLM(path, expert_memory=None if variant == "whole-model" else budget,
                   prefetch=variant == "paging+pf")
-        ckpt, pager = llm.checkpoint, llm.pager
+        ckpt, pool = llm.checkpoint, llm.pool
         first = lambda: llm.generate(prompt_token_ids=[ids], max_tokens=1, temperature=0.0,
                                      ignore_eos=True)[0].token_ids[0]
     construct = time.perf_counter() - start
-    probe = Probe(pager)
+    probe = Probe(pool)
     row = {"resident_after_evict": resident, "token": first(),
            "ttft_s": time.perf_counter() - start, "cpu_s": sum(os.times()[:2]) - cpu,
            "construct_s": construct, "pager_s": probe.pager_s,
-           "disk_busy_s": probe.disk_busy_s(), "stats": pager.stats(ckpt.path)}
+           "disk_busy_s": probe.disk_busy_s(), "stats": pool.stats()}
     row["compute_s"] = row["ttft_s"] - construct - probe.pager_s
     for _ in range(WARM_RUNS):
         start = time.perf_counter()
         first()
         row["warm_s"] = min(row.get("warm_s", 1e9), time.perf_counter() - start)
-    row["warm_misses"] = pager.stats(ckpt.path)["misses"] - row["stats"]["misses"]
-    pager.loader.reader.close()
+    row["warm_misses"] = pool.stats()["misses"] - row["stats"]["misses"]
+    pool.loader.reader.close()
     return row
 
 
@@ -251,7 +259,7 @@ def write_results(meta: dict, rows: list[dict], targets: list[dict], table: str)
 
 def run_metadata(argv: list[str], path: str, dense: int, budget: int) -> dict:
     """Taken at start-up: mox/ is edited concurrently, so pin the code that was imported."""
-    pager_hash = hashlib.sha256(Path(mox.pager.__file__).read_bytes()).hexdigest()[:12]
+    pager_hash = hashlib.sha256(Path(mox.pager.model_pool.__file__).read_bytes()).hexdigest()[:12]
     git = ["git", "-C", str(Path(__file__).parent.parent)]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

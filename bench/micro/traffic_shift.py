@@ -28,8 +28,7 @@ def _router(home: str, expert_share: float) -> Router:
     paths = ensure_demo_models(home, architectures=MODELS)
     probe = Router(paths, RouterConfig())
     dense = sum(m.dense_nbytes for m in probe.models.values())
-    experts = sum(m.ckpt.spec.num_moe_layers * m.ckpt.spec.num_experts
-                  * probe.residency.slot_bytes(n) for n, m in probe.models.items())
+    experts = sum(m.pool.max_slots * m.pool.expert_nbytes for m in probe.models.values())
     budget = dense + int(expert_share * experts)
     return Router(paths, RouterConfig(device_memory=budget, plan_period_s=1.0))
 

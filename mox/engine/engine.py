@@ -18,9 +18,9 @@ from mox.engine.kv_pool import KVPool
 from mox.engine.runner import ModelRunner, SampledToken
 from mox.engine.scheduler import Scheduler, SchedulerConfig
 from mox.engine.sequence import Sequence, SequenceStatus
+from mox.engine.threads import COMPUTE_THREADS, use_compute_threads
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
-from mox.loaders.threads import COMPUTE_THREADS, use_compute_threads
 from mox.messages import FinishReason, Request, RequestOutput
 from mox.models import MoEDecoder
 from mox.models.decoder import new_kv_store
@@ -49,13 +49,14 @@ class _Live:
 class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  config: SchedulerConfig | None = None,
-                 compute_threads: int = COMPUTE_THREADS) -> None:
-        self.compute_threads = compute_threads       # torch intra-op threads for steps
+                 compute_threads: int | None = None) -> None:
+        # torch intra-op threads for steps (None: what the process had at start)
+        self.compute_threads = compute_threads or COMPUTE_THREADS
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
         self.models: dict[str, _Model] = {}
         self._live: dict[str, _Live] = {}
-        self.errors: dict[str, MoxError] = {}      # why a request aborted; its owner pops it
+        self._errors: dict[str, MoxError] = {}     # why a request aborted; its owner takes it
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -111,18 +112,31 @@ class Engine:
 
     def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
         """Free the request's KV at once (between steps no lease is held). With `error`, the
-        output carries its message and `errors` keeps it for the request's owner."""
+        output carries its message, and `take_error` gives it to the request's owner."""
         live = self._live.get(request_id)
         if live is None:
             return None
         if error is not None:
-            self.errors[request_id] = error
+            self._errors[request_id] = error
         return self._finish(live, FinishReason.ABORT, [], "",
                             error=None if error is None else str(error))
 
-    def sequence(self, request_id: str) -> Sequence | None:
-        live = self._live.get(request_id)
-        return None if live is None else live.seq
+    def take_error(self, request_id: str) -> MoxError | None:
+        """Why the request aborted, if it failed (its owner takes it once)."""
+        return self._errors.pop(request_id, None)
+
+    def num_waiting(self, name: str) -> int:
+        queue = self.scheduler.queues.get(name)
+        return 0 if queue is None else len(queue.waiting)
+
+    def num_running(self, name: str) -> int:
+        queue = self.scheduler.queues.get(name)
+        return 0 if queue is None else len(queue.running)
+
+    def has_requests(self, name: str) -> bool:
+        """Does the model have requests queued or running?"""
+        queue = self.scheduler.queues.get(name)
+        return queue is not None and queue.has_work
 
     @property
     def has_work(self) -> bool:
@@ -134,7 +148,7 @@ class Engine:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
-        # an I/O thread's one-thread setting leaks into this thread (loaders/threads.py)
+        # an I/O thread's one-thread setting leaks into this thread (mox/engine/threads.py)
         use_compute_threads(self.compute_threads)
         batch = self.scheduler.schedule()
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
@@ -146,7 +160,7 @@ class Engine:
             sampled = self.models[batch.model].runner.run(batch)
         except MoxError as e:          # e.g. a checkpoint file lost while serving
             for item in batch.sequences:
-                self.errors[item.seq.request_id] = e
+                self._errors[item.seq.request_id] = e
             return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
                                            [], "", error=str(e)) for item in batch.sequences]
         return outputs + [self._advance(self._live[s.seq.request_id], s) for s in sampled]

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from mox.loaders.spec import ModelSpec
 from mox.models.attention import AttentionWeights, attention
-from mox.models.experts import ModelExperts
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
@@ -20,6 +19,7 @@ from mox.models.layers import MLPWeights, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
 from mox.models.moe import MoEWeights, moe_block, route
 from mox.models.rotary import Rotary
+from mox.pager import ModelPool
 
 
 def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -41,7 +41,7 @@ class LayerWeights:
 class MoEDecoder:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 experts: ModelExperts) -> None:
+                 experts: ModelPool) -> None:
         assert len(layers) == spec.num_layers
         self.spec = spec
         self.embed = embed                    # [V, H]
@@ -102,4 +102,4 @@ class MoEDecoder:
         if following is not None and self.experts.prefetch_enabled:
             _, ids = route(self.spec, following, h)
             self.experts.prefetch(following.moe_layer, ids.unique().tolist(),
-                                  current_layer=current.moe_layer)
+                                  protect_layers=(current.moe_layer,))

@@ -9,11 +9,10 @@ from mox.loaders.spec import QK_NORM_NONE, ModelSpec
 from mox.loaders.stream import ByteRange, StreamingReader
 from mox.models.attention import AttentionWeights
 from mox.models.decoder import LayerWeights, MoEDecoder
-from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights
 from mox.models.mla import MLAWeights
 from mox.models.moe import MoEWeights
-from mox.pager import ExpertPager
+from mox.pager import ModelPool
 
 DENSE_READ_GROUPS = 8     # enough reads in flight to keep the I/O threads and the disk busy
 
@@ -25,22 +24,6 @@ def prefetch_by_default(device: torch.device) -> bool:
     25-40% more CPU time and 5-15% more bytes read (bench/results/coldstart.md), so it is off
     there unless asked for."""
     return device.type == "cuda"
-
-
-def open_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-               pager: ExpertPager, expert_budget: int | None, policy: str = "rate",
-               prefetch: bool | None = None) -> MoEDecoder:
-    """Register the model's experts with the pager (all of them loaded now when there is no
-    budget) and read its dense weights. `prefetch=None`: `prefetch_by_default(device)`."""
-    if prefetch is None:
-        prefetch = prefetch_by_default(device)
-    pager.add_model(ckpt.path, ckpt, dtype, device, expert_budget, policy)
-    experts = ModelExperts(pager, ckpt.path, prefetch_enabled=prefetch)
-    if expert_budget is None:
-        for moe_layer in range(pager.num_moe_layers(ckpt.path)):
-            for _ in experts.waves(moe_layer, range(ckpt.spec.num_experts)):
-                pass
-    return load_model(ckpt, dtype, device, experts)
 
 
 class _DenseReader:
@@ -78,10 +61,11 @@ def _groups(infos: list[TensorInfo], count: int) -> list[list[TensorInfo]]:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-               experts: ModelExperts) -> MoEDecoder:
-    """The dense weights, read now; the experts stay with the pager (`experts`)."""
+               experts: ModelPool) -> MoEDecoder:
+    """The dense weights, read now; the experts stay with the pager (`experts`, the model's
+    pool, whose reader reads the dense weights too)."""
     spec = ckpt.spec
-    read = _DenseReader(ckpt, dtype, device, experts.pager.loader.reader)
+    read = _DenseReader(ckpt, dtype, device, experts.loader.reader)
     embed = read("model.embed_tokens.weight")
     if spec.tie_word_embeddings and not ckpt.has("lm_head.weight"):
         lm_head = embed

@@ -24,8 +24,8 @@ from mox.loaders.spec import (
     ROUTING_TOPK_SOFTMAX,
     ModelSpec,
 )
-from mox.models.experts import ModelExperts
 from mox.models.layers import MLPWeights, linear
+from mox.pager import ModelPool
 
 
 @dataclass
@@ -65,7 +65,7 @@ def route(spec: ModelSpec, w: MoEWeights,
     return weights, ids
 
 
-def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelExperts,
+def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
               x: torch.Tensor) -> torch.Tensor:
     """x `[T, H]` -> `[T, H]`. Experts come in waves from the pager: the resident ones first
     (computed while misses load), then the rest as they arrive; each wave's slot map holds

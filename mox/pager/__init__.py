@@ -1,8 +1,12 @@
-"""The expert pager: per-model slot pools on the compute device, filled from the host cache or
-the disk on demand (`pager`), the pools themselves (`slot_pool`), moving one expert's bytes
-(`expert_loader`), the RAM tier (`host_cache`), eviction policies (`eviction`) and per-expert
-activation frequencies (`usage`)."""
+"""The expert pager: the shared I/O and lock (`pager`), each model's pool of experts with its
+waves, prefetch and budget (`model_pool`), the pool's tensors and residency table
+(`slot_pool`), moving one expert's bytes (`expert_loader`), the RAM tier (`host_cache`),
+eviction policies (`eviction`), per-expert activation frequencies (`usage`) and the figures
+it counts (`stats`)."""
 
-from mox.pager.pager import ExpertPager, Lease, PageInObserver, PagerStats, make_pager
+from mox.pager.host_cache import HostCache
+from mox.pager.model_pool import Lease, ModelPool
+from mox.pager.pager import ExpertPager, make_pager
+from mox.pager.stats import PagerStats
 
-__all__ = ["ExpertPager", "Lease", "PageInObserver", "PagerStats", "make_pager"]
+__all__ = ["ExpertPager", "HostCache", "Lease", "ModelPool", "PagerStats", "make_pager"]

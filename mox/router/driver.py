@@ -1,5 +1,5 @@
-"""The async face of the engine: `generate()` yields incremental outputs to asyncio code while
-the model loop runs on its own thread, so the event loop never waits on a forward pass.
+"""The async face of the router: `generate()` yields incremental outputs to asyncio code while
+the step loop runs on its own thread, so the event loop never waits on a forward pass.
 
 The loop drives a `Driver` (the router, which drives the engine). Both are single-threaded:
 requests and aborts reach them through an inbox that the loop thread drains between steps,

@@ -1,29 +1,82 @@
-"""Memory policies: how the router divides the device budget, one class per `policy=`.
+"""Memory policies: how the device budget is divided among the models, one class per `policy=`.
 
-Interface (called on the router's thread):
+A policy is a pure function of a frozen `MemoryView` (every model with a pool: its state, sizes,
+traffic and expert usage, as the router sees them now) to a `MemoryPlan`: expert slots per
+model, idle models to park and cold models that may start loading. The router builds the view
+and applies the plan; a policy never touches the router, the pager or the clock.
+
+Interface:
     eviction_policy         the pager's expert eviction policy for every model
     loads_whole_models      a cold start reads every expert too (model-swap, all-resident)
     pins_models             weights never leave (all-resident): no idle parking
-    check_fits(model)       refuse, at registration, a model the budget can never run
-    make_room(model) -> bool   park idle models until `model` may start loading
-    plan_slots() -> {model: expert slots}   for every model with a pager entry
+    plans_host_cache        the host cache is shared by request rate
+    check_fits(view, name)  refuse, at registration, a model the budget can never run
+    plan(view) -> MemoryPlan
 
-`rate` plans from traffic (mox.router.planner); `lru`/`lfu` split the expert budget equally with
-the planner off; `model-swap` is the serverless baseline (whole models in, whole models out,
-LRU); `all-resident` loads everything at start-up and is the upper bound.
+`rate` plans from traffic (mox.router.planner); `lru`/`lfu` split the expert budget equally
+with the planner off; `model-swap` is the serverless baseline (whole models in, whole models
+out, LRU); `all-resident` loads everything at start-up and is the upper bound.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
 
 from mox.errors import MoxError
 from mox.messages import ModelState
 from mox.router.planner import ModelDemand, plan_slots, settle
-from mox.router.served_model import ServedModel
 
-if TYPE_CHECKING:
-    from mox.router import Router
+
+@dataclass(frozen=True)
+class ModelView:
+    """One model with an expert pool, as the router sees it at one moment."""
+
+    name: str
+    state: ModelState
+    dense_nbytes: int
+    expert_nbytes: int
+    top_k: int
+    max_slots: int                  # every expert of the model resident
+    num_slots: int                  # expert slots it is budgeted now
+    has_work: bool                  # queued or running requests
+    request_rate: float             # requests per second (the planner's value)
+    last_active: float              # last step or arrival
+    oldest_arrival: float = math.inf        # of its tracked requests
+    usage: np.ndarray | None = None         # [L, E] P(a step uses the expert)
+    resized_ago_s: float = math.inf         # since its pool's size last changed
+
+    @property
+    def holds_device_memory(self) -> bool:
+        return self.state in (ModelState.LOADING, ModelState.WARM)
+
+    @property
+    def is_idle_warm(self) -> bool:
+        return self.state == ModelState.WARM and not self.has_work
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    budget_bytes: int | None        # device bytes for dense weights + expert slots
+    models: tuple[ModelView, ...]
+
+    def holding(self) -> list[ModelView]:
+        return [m for m in self.models if m.holds_device_memory]
+
+    def with_state(self, name: str, state: ModelState) -> MemoryView:
+        models = tuple(dataclasses.replace(m, state=state) if m.name == name else m
+                       for m in self.models)
+        return dataclasses.replace(self, models=models)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    slots: dict[str, int]               # expert slots for every model in the view
+    park: tuple[str, ...] = ()          # idle warm models whose weights leave now
+    load: tuple[str, ...] = ()          # cold models with requests that start loading now
 
 
 class MemoryPolicy:
@@ -33,112 +86,104 @@ class MemoryPolicy:
     plans_host_cache = False
     minimum_is = "its dense weights and top_k experts"
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def budget(self, view: MemoryView) -> int | None:
+        return view.budget_bytes
 
-    @property
-    def budget(self) -> int | None:
-        return self.router.config.device_memory
-
-    def holding(self) -> list[ServedModel]:
-        return [m for m in self.router.models.values() if m.holds_device_memory]
-
-    def paged(self) -> list[ServedModel]:
-        """Models with a slot pool (opened without error)."""
-        return [m for m in self.router.models.values() if m.ckpt is not None]
-
-    def expert_bytes(self, model: ServedModel, slots: int) -> int:
-        return slots * self.router.residency.slot_bytes(model.name)
-
-    def all_slots(self, model: ServedModel) -> int:
-        return model.ckpt.spec.num_moe_layers * model.ckpt.spec.num_experts
-
-    def minimum_bytes(self, model: ServedModel) -> int:
+    def minimum_bytes(self, model: ModelView) -> int:
         """Device bytes the model needs to run at all once it holds memory."""
-        return model.dense_nbytes + self.expert_bytes(model, model.ckpt.spec.top_k)
+        return model.dense_nbytes + model.top_k * model.expert_nbytes
 
-    def check_fits(self, model: ServedModel) -> None:
-        if self.budget is not None and self.minimum_bytes(model) > self.budget:
-            raise MoxError(f"model {model.name!r} needs {self.minimum_bytes(model)} bytes of "
+    def check_fits(self, view: MemoryView, name: str) -> None:
+        model, budget = _find(view, name), self.budget(view)
+        if budget is not None and self.minimum_bytes(model) > budget:
+            raise MoxError(f"model {name!r} needs {self.minimum_bytes(model)} bytes of "
                            f"device memory to run ({self.minimum_is}, top_k = "
-                           f"{model.ckpt.spec.top_k}); the budget is {self.budget}")
+                           f"{model.top_k}); the budget is {budget}")
 
-    def make_room(self, model: ServedModel) -> bool:
-        """Park idle models (lowest value first) until `model`'s minimum fits beside the
-        minimums of the models that hold memory."""
-        if self.budget is None:
-            return True
-        router = self.router
+    def plan(self, view: MemoryView) -> MemoryPlan:
+        """Admit cold models with requests (oldest request first), parking idle ones for room
+        where the policy must, then divide the experts among the models that hold memory."""
+        park, load = [], []
+        cold = [m for m in view.models if m.state == ModelState.COLD and m.has_work]
+        for model in sorted(cold, key=lambda m: m.oldest_arrival):
+            view, parked, fits = self.make_room(view, model)
+            park += parked
+            if not fits:
+                break                                 # wait for a busy model to go idle
+            view = view.with_state(model.name, ModelState.LOADING)
+            load.append(model.name)
+        return MemoryPlan(self.plan_slots(view), tuple(park), tuple(load))
+
+    def make_room(self, view: MemoryView, model: ModelView) -> tuple[MemoryView, list[str], bool]:
+        """Park idle models (lowest `park_order` first) until `model`'s minimum fits beside
+        the minimums of the models that hold memory. Returns (the view after, the models
+        parked, whether it fits)."""
+        budget, parked = self.budget(view), []
+        if budget is None:
+            return view, parked, True
         while True:
-            committed = sum(self.minimum_bytes(m) for m in self.holding())
-            if committed + self.minimum_bytes(model) <= self.budget:
-                return True
-            idle = [m for m in self.holding()
-                    if m.state == ModelState.WARM and not router.has_requests(m.name)]
+            committed = sum(self.minimum_bytes(m) for m in view.holding())
+            if committed + self.minimum_bytes(model) <= budget:
+                return view, parked, True
+            idle = [m for m in view.holding() if m.is_idle_warm]
             if not idle:
-                return False
-            router.park(min(idle, key=self.park_order))
+                return view, parked, False
+            victim = min(idle, key=self.park_order)
+            view = view.with_state(victim.name, ModelState.COLD)
+            parked.append(victim.name)
 
-    def park_order(self, model: ServedModel) -> tuple:
-        now = self.router.clock()
-        return (model.traffic.request_rate(now), model.last_active)
+    def park_order(self, model: ModelView) -> tuple:
+        return (model.request_rate, model.last_active)
 
-    def plan_slots(self) -> dict[str, int]:
+    def plan_slots(self, view: MemoryView) -> dict[str, int]:
         raise NotImplementedError
 
 
 class PlannedMemory(MemoryPolicy):
-    """`rate`: expert slots follow request rates and expert popularity (mox.router.planner); the
-    host cache is shared by rate too."""
+    """`rate`: expert slots follow request rates and expert popularity (mox.router.planner);
+    the host cache is shared by rate too."""
 
     plans_host_cache = True
 
-    def plan_slots(self) -> dict[str, int]:
-        router, now = self.router, self.router.clock()
-        holding = self.holding()
-        budget = (None if self.budget is None
-                  else self.budget - sum(m.dense_nbytes for m in holding))
-        demands = [ModelDemand(m.name, m.traffic.request_rate(now),
-                               router.has_requests(m.name),
-                               router.pager.usage(m.name).probabilities(now),
-                               router.residency.slot_bytes(m.name), m.ckpt.spec.top_k,
-                               router.pager.pool(m.name).target_slots,
-                               router.pager.resized_ago(m.name))
-                   for m in holding]
+    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+        holding = view.holding()
+        budget = self.budget(view)
+        if budget is not None:
+            budget -= sum(m.dense_nbytes for m in holding)
+        demands = [ModelDemand(m.name, m.request_rate, m.has_work, m.usage, m.expert_nbytes,
+                               m.top_k, m.num_slots, m.resized_ago_s) for m in holding]
         slots = settle(plan_slots(demands, budget), demands)
-        return {m.name: slots.get(m.name, 0) for m in self.paged()}
+        return {m.name: slots.get(m.name, 0) for m in view.models}
 
 
 class EqualSplitMemory(MemoryPolicy):
     """`lru` / `lfu`: the planner off; every model's dense weights are reserved and the rest
     is split equally, so each warm model's pool has a fixed size."""
 
-    def __init__(self, router: Router, eviction: str) -> None:
-        super().__init__(router)
+    def __init__(self, eviction: str) -> None:
         self.eviction_policy = eviction
 
-    def share_bytes(self) -> int | None:
-        paged = self.paged()
-        if self.budget is None or not paged:
+    def share_bytes(self, view: MemoryView) -> int | None:
+        budget = self.budget(view)
+        if budget is None or not view.models:
             return None
-        return (self.budget - sum(m.dense_nbytes for m in paged)) // len(paged)
+        return (budget - sum(m.dense_nbytes for m in view.models)) // len(view.models)
 
-    def check_fits(self, model: ServedModel) -> None:
-        share = self.share_bytes()
-        if share is not None and share < self.expert_bytes(model, model.ckpt.spec.top_k):
+    def check_fits(self, view: MemoryView, name: str) -> None:
+        model, share = _find(view, name), self.share_bytes(view)
+        if share is not None and share < model.top_k * model.expert_nbytes:
             raise MoxError(f"an equal split of the device budget leaves {share} bytes of "
-                           f"experts per model; model {model.name!r} needs top_k experts")
+                           f"experts per model; model {name!r} needs top_k experts")
 
-    def make_room(self, model: ServedModel) -> bool:
-        return True                      # every model's share is reserved
+    def make_room(self, view: MemoryView, model: ModelView) -> tuple[MemoryView, list[str], bool]:
+        return view, [], True                # every model's share is reserved
 
-    def plan_slots(self) -> dict[str, int]:
-        share = self.share_bytes()
+    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+        share = self.share_bytes(view)
         slots = {}
-        for m in self.paged():
-            full = self.all_slots(m)
-            fit = full if share is None else share // self.router.residency.slot_bytes(m.name)
-            slots[m.name] = min(full, fit) if m.holds_device_memory else 0
+        for m in view.models:
+            fit = m.max_slots if share is None else share // m.expert_nbytes
+            slots[m.name] = min(m.max_slots, fit) if m.holds_device_memory else 0
         return slots
 
 
@@ -149,15 +194,14 @@ class ModelSwapMemory(MemoryPolicy):
     loads_whole_models = True
     minimum_is = "its whole checkpoint"
 
-    def minimum_bytes(self, model: ServedModel) -> int:
-        return model.dense_nbytes + self.expert_bytes(model, self.all_slots(model))
+    def minimum_bytes(self, model: ModelView) -> int:
+        return model.dense_nbytes + model.max_slots * model.expert_nbytes
 
-    def park_order(self, model: ServedModel) -> tuple:
+    def park_order(self, model: ModelView) -> tuple:
         return (model.last_active,)
 
-    def plan_slots(self) -> dict[str, int]:
-        return {m.name: self.all_slots(m) if m.holds_device_memory else 0
-                for m in self.paged()}
+    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+        return {m.name: m.max_slots if m.holds_device_memory else 0 for m in view.models}
 
 
 class AllResidentMemory(ModelSwapMemory):
@@ -165,18 +209,21 @@ class AllResidentMemory(ModelSwapMemory):
 
     pins_models = True
 
-    @property
-    def budget(self) -> int | None:
+    def budget(self, view: MemoryView) -> int | None:
         return None
 
 
-def make_memory_policy(name: str, router: Router) -> MemoryPolicy:
+def make_memory_policy(name: str) -> MemoryPolicy:
     if name == "rate":
-        return PlannedMemory(router)
+        return PlannedMemory()
     if name in ("lru", "lfu"):
-        return EqualSplitMemory(router, name)
+        return EqualSplitMemory(name)
     if name == "model-swap":
-        return ModelSwapMemory(router)
+        return ModelSwapMemory()
     if name == "all-resident":
-        return AllResidentMemory(router)
+        return AllResidentMemory()
     raise ValueError(f"unknown memory policy {name!r}")
+
+
+def _find(view: MemoryView, name: str) -> ModelView:
+    return next(m for m in view.models if m.name == name)

@@ -10,14 +10,16 @@ Design note.
   keep stepping; the plan gives it experts at once and, while its rate rises, its most used
   experts are prefetched (where prefetch is on: a GPU by default). It runs from the first
   step after its weights land.
-- Every `plan_period_s` (and when a model starts loading or lands) the memory policy
-  recomputes each warm model's expert slots; the pager applies them, evicting only unleased
-  experts. Shrinks are applied before grows so the sum never passes the budget.
+- Every `plan_period_s` (and when a model starts loading or lands) the router hands the
+  memory policy a frozen view of the models (`_view`) and applies the plan it returns
+  (`_apply`): parks, expert slots per model (the pools evict only unleased experts; shrinks
+  before grows, so the sum never passes the budget), loads of cold models it admitted.
 - A warm model idle for `dense_idle_s` is parked: its weights and slots leave the device.
-- Admission: per-model and global limits on waiting requests (AdmissionError, HTTP 429);
-  a request still waiting after `queue_timeout_s` is aborted with RequestTimeoutError.
-The router is single-threaded like the engine it drives (the offline LLM's thread or
-AsyncEngine's loop); only the loader thread's results cross over (`WeightLoader`).
+- Admission (mox.router.admission): per-model and global limits on waiting requests
+  (AdmissionError, HTTP 429); a request still waiting after `queue_timeout_s` is aborted
+  with RequestTimeoutError.
+The router is single-threaded like the engine it drives (the offline LLM's thread, or the
+driver's: mox.router.driver); only the loader thread's results cross over (`WeightLoader`).
 """
 
 from __future__ import annotations
@@ -33,20 +35,23 @@ import torch
 from mox.engine.engine import Engine
 from mox.engine.scheduler import SchedulerConfig
 from mox.errors import (
-    AdmissionError,
     InvalidRequestError,
     ModelNotFoundError,
     ModelUnavailableError,
     MoxError,
     RequestTimeoutError,
 )
-from mox.loaders.threads import COMPUTE_THREADS
 from mox.messages import ModelState, Request, RequestOutput
-from mox.models.experts import ModelExperts
 from mox.models.loading import prefetch_by_default
-from mox.pager import PageInObserver, make_pager
-from mox.router.memory_policy import MemoryPolicy, make_memory_policy
-from mox.router.rates import DecayedRate
+from mox.pager import make_pager
+from mox.router.admission import Admission
+from mox.router.memory_policy import (
+    MemoryPlan,
+    MemoryPolicy,
+    MemoryView,
+    ModelView,
+    make_memory_policy,
+)
 from mox.router.residency import Residency
 from mox.router.served_model import (
     ServedModel,
@@ -57,9 +62,6 @@ from mox.router.served_model import (
 )
 
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
-# Retry-After bounds: at least a second (HTTP's unit), at most a minute (beyond that the
-# estimate is worthless and the client should back off on its own).
-RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -86,36 +88,27 @@ class RouterConfig:
                                       f"{ROUTER_POLICIES}", param="policy")
 
 
-@dataclass
-class _Tracked:
-    model: str
-    arrival: float
-    started: bool = False           # produced output (no longer subject to the queue timeout)
-
-
 class Router:
     def __init__(self, models: dict[str, str], config: RouterConfig = RouterConfig(),
-                 clock: Callable[[], float] = time.monotonic,
-                 on_page_in: PageInObserver | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock,
-                                on_page_in)
+        self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock)
         self.engine = Engine(config.kv_memory,
                              config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens),
-                             compute_threads=config.compute_threads or COMPUTE_THREADS)
-        self.policy: MemoryPolicy = make_memory_policy(config.policy, self)
+                             compute_threads=config.compute_threads)
+        self.policy: MemoryPolicy = make_memory_policy(config.policy)
         self.models: dict[str, ServedModel] = {}
         # predictive prefetch (next layer's experts, popular experts into grown pools)
         self.prefetch = (config.prefetch if config.prefetch is not None
                          else prefetch_by_default(self.device))
-        self.residency = Residency(self.pager, self.models, clock, prefetch=self.prefetch)
+        self.residency = Residency(self.models, self.pager.loader.host_cache, clock)
+        self.admission = Admission(config.max_waiting_per_model, config.max_waiting,
+                                   config.queue_timeout_s)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
-        self._requests: dict[str, _Tracked] = {}
-        self._finishes = DecayedRate(10.0)
         self._next_plan = -math.inf
         for name, path in models.items():
             self.add_model(name, path)
@@ -128,12 +121,12 @@ class Router:
         self.models[name] = model
         if model.state == ModelState.FAILED:
             return model
-        self.pager.add_model(name, model.ckpt, self.dtype, self.device, 0,
-                             self.policy.eviction_policy)
+        model.pool = self.pager.add_model(name, model.ckpt, self.dtype, self.device, 0,
+                                          self.policy.eviction_policy, self.prefetch)
         self.engine.add_model(name, model.ckpt.spec, self.dtype, self.device, model.tokenizer,
                               model.eos_token_ids)
         try:
-            self.policy.check_fits(model)
+            self.policy.check_fits(self._view(), name)
         except MoxError as e:
             model.state, model.error = ModelState.FAILED, str(e)
             return model
@@ -145,16 +138,16 @@ class Router:
         """Stop serving the model: its requests abort, its memory is freed."""
         model = self.models.get(name) or self.served(name)
         gone = ModelNotFoundError(f"model {name!r} was removed")
-        outputs = [out for rid in [r for r, t in self._requests.items() if t.model == name]
+        outputs = [out for rid in self.admission.of_model(name)
                    if (out := self.abort(rid, gone)) is not None]
         if model.state == ModelState.LOADING:
             self._loader.drain()                              # let its load land first
             self._install_landed()
         if model.state == ModelState.WARM:
             self.park(model)
-        if model.ckpt is not None:
+        if model.pool is not None:
             self.engine.remove_model(name)
-            self.pager.remove_model(name)
+            model.pool.close()
         del self.models[name]
         return outputs
 
@@ -184,50 +177,28 @@ class Router:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         model = self.served(request.model)
-        self._admit(model)
-        self.engine.add_request(request)            # validates the prompt
         now = self.clock()
-        self._requests[request.request_id] = _Tracked(model.name, now)
+        self.admission.check(model.name, self.engine.num_waiting(model.name),
+                             sum(self.engine.num_waiting(name) for name in self.models), now)
+        self.engine.add_request(request)            # validates the prompt
+        self.admission.track(request.request_id, model.name, now)
         model.traffic.on_arrival(now)
         model.last_active = now
         if model.state == ModelState.COLD:
             self._try_start_loads()
-        elif self.pager.pool(model.name).target_slots == 0:
+        elif model.pool.num_slots == 0:
             self.replan()                    # warm but planned out: its floor comes now
 
-    def _admit(self, model: ServedModel) -> None:
-        waiting = self.num_waiting(model.name)
-        total = sum(self.num_waiting(name) for name in self.models)
-        if waiting >= self.config.max_waiting_per_model:
-            why = f"model {model.name!r} has {waiting} requests waiting"
-        elif total >= self.config.max_waiting:
-            why = f"the server has {total} requests waiting"
-        else:
-            return
-        rate = self._finishes.rate(self.clock())
-        low, high = RETRY_AFTER_BOUNDS_S
-        retry = high if rate <= 0 else min(high, max(low, total / rate))
-        raise AdmissionError(f"{why}; try again later", retry_after_s=retry)
-
     def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
-        self._requests.pop(request_id, None)
+        self.admission.forget(request_id)
         return self.engine.abort(request_id, error)
 
     def take_error(self, request_id: str) -> MoxError | None:
         """Why the request aborted, if it failed (its owner takes it once)."""
-        return self.engine.errors.pop(request_id, None)
-
-    def num_waiting(self, name: str) -> int:
-        queue = self.engine.scheduler.queues.get(name)
-        return 0 if queue is None else len(queue.waiting)
-
-    def num_running(self, name: str) -> int:
-        queue = self.engine.scheduler.queues.get(name)
-        return 0 if queue is None else len(queue.running)
+        return self.engine.take_error(request_id)
 
     def has_requests(self, name: str) -> bool:
-        queue = self.engine.scheduler.queues.get(name)
-        return queue is not None and queue.has_work
+        return self.engine.has_requests(name)
 
     # ---- the loop ----------------------------------------------------------------------
     @property
@@ -251,8 +222,8 @@ class Router:
         """When `step()` next has timed work (a plan, a timeout, an idle park); None: never
         until something arrives. Drivers wait on `wake` at most this long."""
         now = self.clock()
-        due = [t.arrival + self.config.queue_timeout_s
-               for t in self._requests.values() if not t.started]
+        expiry = self.admission.next_expiry()
+        due = [] if expiry is None else [expiry]
         if any(m.holds_device_memory for m in self.models.values()):
             due.append(self._next_plan)
         due += [t for m in self.models.values() if (t := self._park_at(m)) is not None]
@@ -261,24 +232,17 @@ class Router:
     def _account(self, outputs: list[RequestOutput]) -> None:
         now = self.clock()
         for out in outputs:
-            tracked = self._requests.get(out.request_id)
-            if tracked is None:
-                continue
-            tracked.started = True
-            model = self.models[tracked.model]
-            model.traffic.on_tokens(now, len(out.new_token_ids))
-            model.last_active = now
-            if out.finish_reason is not None:
-                del self._requests[out.request_id]
-                self._finishes.add(now)
+            name = self.admission.on_output(out.request_id, out.finish_reason is not None, now)
+            if name is not None:
+                model = self.models[name]
+                model.traffic.on_tokens(now, len(out.new_token_ids))
+                model.last_active = now
 
     def _expire(self, now: float) -> list[RequestOutput]:
         limit = self.config.queue_timeout_s
-        expired = [rid for rid, t in self._requests.items()
-                   if not t.started and now - t.arrival > limit]
         outputs = []
-        for rid in expired:
-            model = self._requests[rid].model
+        for rid in self.admission.expired(now):
+            model = self.admission.requests[rid].model
             error = RequestTimeoutError(f"request waited more than {limit:g} s for model "
                                         f"{model!r} (state {self.models[model].state.value})")
             outputs += [out for out in [self.abort(rid, error)] if out is not None]
@@ -286,26 +250,26 @@ class Router:
 
     # ---- loading and parking -----------------------------------------------------------
     def _try_start_loads(self) -> None:
-        """Start loading cold models that have requests, oldest request first, while the
-        policy finds room (parking idle models if it must)."""
-        cold = [m for m in self.models.values()
-                if m.state == ModelState.COLD and self.has_requests(m.name)]
-        for model in sorted(cold, key=lambda m: self._oldest_arrival(m.name)):
-            if not self.policy.make_room(model):
-                return                                # wait for a busy model to go idle
-            self._start_load(model)
-
-    def _oldest_arrival(self, name: str) -> float:
-        return min((t.arrival for t in self._requests.values() if t.model == name),
-                   default=math.inf)
+        """Start loading cold models that have requests, if the policy finds room for them
+        (parking idle models if it must); otherwise they wait for a busy model to go idle."""
+        if any(m.state == ModelState.COLD and self.has_requests(m.name)
+               for m in self.models.values()):
+            plan = self.policy.plan(self._view())
+            if plan.load or plan.park:
+                self._apply(plan)
 
     def _start_load(self, model: ServedModel, whole: bool | None = None) -> None:
+        """Load the model now, outside the policy's admission (all-resident's start-up, the
+        offline LLM's warm-up); `whole`: every expert too (None: as the policy loads)."""
+        self._mark_loading(model)
+        self.replan()
+        whole = self.policy.loads_whole_models if whole is None else whole
+        self._loader.start(model, self.dtype, self.device, whole)
+
+    def _mark_loading(self, model: ServedModel) -> None:
+        """Its dense bytes count from now on, so the plan that follows leaves room for them."""
         model.state = ModelState.LOADING
         model.num_loads += 1
-        whole = self.policy.loads_whole_models if whole is None else whole
-        self.replan()                                 # its dense bytes count from now on
-        experts = ModelExperts(self.pager, model.name, prefetch_enabled=self.prefetch)
-        self._loader.start(model, self.dtype, self.device, experts, whole)
 
     def _install_landed(self) -> list[RequestOutput]:
         landed = self._loader.take_landed()
@@ -323,9 +287,9 @@ class Router:
 
     def _fail(self, model: ServedModel, error: BaseException) -> list[RequestOutput]:
         model.state, model.error = ModelState.FAILED, str(error)
-        self.pager.set_budget(model.name, 0)
+        model.pool.resize(0)
         reason = ModelUnavailableError(f"model {model.name!r} failed to load: {error}")
-        ids = [rid for rid, t in self._requests.items() if t.model == model.name]
+        ids = self.admission.of_model(model.name)
         return [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
 
     def _park_at(self, model: ServedModel) -> float | None:
@@ -350,11 +314,33 @@ class Router:
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
+        self._apply(self.policy.plan(self._view()))
+
+    def _apply(self, plan: MemoryPlan) -> None:
+        """Parks, then the slots of every pool (the plan counts the loads' dense bytes), then
+        the loads: a whole-model load reads experts into slots it must already have."""
+        for name in plan.park:
+            self.park(self.models[name])
+        loading = [self.models[name] for name in plan.load]
+        for model in loading:
+            self._mark_loading(model)
         self._next_plan = self.clock() + self.config.plan_period_s
-        self.residency.apply(self.policy.plan_slots())
+        self.residency.apply(plan.slots)
         if self.policy.plans_host_cache:
             self.residency.share_host_cache()
+        for model in loading:
+            self._loader.start(model, self.dtype, self.device, self.policy.loads_whole_models)
 
+    def _view(self) -> MemoryView:
+        """The frozen view the memory policy plans from: every model with a pool."""
+        now = self.clock()
+        return MemoryView(self.config.device_memory, tuple(
+            ModelView(m.name, m.state, m.dense_nbytes, m.pool.expert_nbytes, m.pool.top_k,
+                      m.pool.max_slots, m.pool.num_slots, self.has_requests(m.name),
+                      m.traffic.request_rate(now), m.last_active,
+                      self.admission.oldest_arrival(m.name), m.pool.usage.probabilities(now),
+                      m.pool.resized_ago())
+            for m in self.models.values() if m.pool is not None))
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -367,15 +353,15 @@ class Router:
 
     def _model_snapshot(self, model: ServedModel, now: float) -> dict:
         out = {"state": model.state.value, "error": model.error,
-               "running": self.num_running(model.name),
-               "waiting": self.num_waiting(model.name),
+               "running": self.engine.num_running(model.name),
+               "waiting": self.engine.num_waiting(model.name),
                "request_rate": model.traffic.request_rate(now),
                "request_rates": list(model.traffic.request_rates(now)),
                "token_rate": model.traffic.token_rate(now),
                "dense_resident": model.state == ModelState.WARM,
                "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
-        if model.ckpt is not None:
-            pager = self.pager.stats(model.name)
+        if model.pool is not None:
+            pager = model.pool.stats()
             out["planned_slots"] = pager["num_slots"]
             out["pager"] = pager
         host_bytes = self.residency.host_cache_bytes(model.name)

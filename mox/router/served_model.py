@@ -21,8 +21,8 @@ from mox.loaders import Checkpoint
 from mox.loaders.threads import use_one_thread
 from mox.messages import ModelState
 from mox.models import MoEDecoder
-from mox.models.experts import ModelExperts
 from mox.models.loading import load_model
+from mox.pager import ModelPool
 from mox.router.rates import ModelTraffic
 from mox.tokenizer import Tokenizer
 
@@ -40,6 +40,7 @@ class ServedModel:
     dense_nbytes: int = 0                    # in the serving dtype
     error: str | None = None
     decoder: MoEDecoder | None = None
+    pool: ModelPool | None = None            # its experts in the pager (once registered)
     traffic: ModelTraffic = field(default_factory=ModelTraffic)
     last_active: float = -math.inf           # last step or arrival (idle drop, LRU swap)
     num_loads: int = 0                       # times its weights were read (cold starts)
@@ -66,14 +67,14 @@ def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
 
 
 def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
-                 experts: ModelExperts, whole: bool) -> MoEDecoder:
+                 whole: bool) -> MoEDecoder:
     """On a loader thread: the dense weights, and with `whole` every expert too (the pool
     must already have room for all of them)."""
-    assert model.ckpt is not None
-    decoder = load_model(model.ckpt, dtype, device, experts)
+    assert model.ckpt is not None and model.pool is not None
+    decoder = load_model(model.ckpt, dtype, device, model.pool)
     if whole:
-        for moe_layer in range(model.ckpt.spec.num_moe_layers):
-            for _ in experts.waves(moe_layer, range(model.ckpt.spec.num_experts)):
+        for moe_layer in range(model.pool.num_moe_layers):
+            for _ in model.pool.waves(moe_layer, range(model.ckpt.spec.num_experts)):
                 pass
     return decoder
 
@@ -92,8 +93,8 @@ class WeightLoader:
         self._lock = threading.Lock()
 
     def start(self, model: ServedModel, dtype: torch.dtype, device: torch.device,
-              experts: ModelExperts, whole: bool) -> None:
-        future = self._pool.submit(load_weights, model, dtype, device, experts, whole)
+              whole: bool) -> None:
+        future = self._pool.submit(load_weights, model, dtype, device, whole)
         future.add_done_callback(lambda f, name=model.name: self._land(name, f))
 
     def _land(self, name: str, future: Future) -> None:

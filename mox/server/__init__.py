@@ -2,8 +2,8 @@
 `ServingBackend`, and `start_server(app, host, port)`."""
 
 from mox.server.app import METRICS, create_app, start_server
-from mox.server.backend import ModelInfo, ObservesPageIns, ServingBackend
+from mox.server.backend import ModelInfo, ServingBackend
 from mox.server.chat_template import ChatTemplate
 
-__all__ = ["METRICS", "ChatTemplate", "ModelInfo", "ObservesPageIns", "ServingBackend",
-           "create_app", "start_server"]
+__all__ = ["METRICS", "ChatTemplate", "ModelInfo", "ServingBackend", "create_app",
+           "start_server"]

@@ -13,7 +13,7 @@ import hmac
 
 from aiohttp import web
 
-from mox.server.backend import ObservesPageIns, ServingBackend
+from mox.server.backend import ServingBackend
 from mox.server.errors import AuthenticationError, Handler, error_middleware
 from mox.server.handlers import (
     CONTEXT,
@@ -70,8 +70,6 @@ def create_app(backend: ServingBackend, api_key: str | None = None,
         middlewares.append(_auth_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     server_metrics = ServerMetrics(backend.snapshot)
-    if isinstance(backend, ObservesPageIns):
-        backend.set_page_in_observer(server_metrics.observe_page_in)
     app[CONTEXT] = ServerContext(backend, server_metrics)
     app[METRICS] = server_metrics
     app[MAX_BODY_BYTES] = max_body_bytes

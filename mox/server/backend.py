@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from mox.messages import ModelState, Request, RequestOutput
-from mox.pager import PageInObserver
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
 
@@ -49,7 +48,8 @@ class ServingBackend(Protocol):
         {"models": {name: {"state": "warm", "running": 1, "waiting": 0, "request_rate": 0.5,
                            "dense_resident": True, "planned_slots": 10,
                            "pager": {"hits", "misses", "bytes_read", "resident_bytes",
-                                     "num_slots", "evictions"}}},
+                                     "num_slots", "evictions", "read_seconds",
+                                     "page_in_buckets", "page_in_counts"}}},
          "device_budget_bytes": int | None, "device_used_bytes": int}
       Any per-model key may be missing (a cold model has no "pager"); what is missing is not
       reported. Called from the scrape handler on the event loop, while the engine steps on
@@ -67,13 +67,3 @@ class ServingBackend(Protocol):
     def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]: ...
 
     def snapshot(self) -> dict: ...
-
-
-
-
-@runtime_checkable
-class ObservesPageIns(Protocol):
-    """Optional: a backend that reports expert page-in latencies to `/metrics`. The observer
-    is thread-safe (it may be called from I/O threads)."""
-
-    def set_page_in_observer(self, observer: PageInObserver) -> None: ...

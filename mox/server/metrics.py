@@ -2,18 +2,25 @@
 
 Two sources: the server observes each request as it finishes (latency histograms, token and
 success counters), and at scrape time a collector asks the backend for a snapshot of the
-router's and pager's state (queues, rates, expert hits and misses, resident bytes). The
+router's and pager's state (queues, rates, expert hits and misses, resident bytes, and the
+pager's histogram of expert read times). The
 registry is this object's own, so two servers in one process never share series.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from mox.messages import ModelState
 
@@ -26,9 +33,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# One expert read: ~100 us from host RAM to ~100 ms for a large expert from a cold disk.
-PAGE_IN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                   0.25, 0.5, 1.0, 2.5)
 
 # snapshot key -> (metric, help) for the per-model scalars
 _MODEL_GAUGES = {
@@ -64,8 +68,6 @@ class ServerMetrics:
                              ["model"], buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("mox:e2e_request_latency_seconds", "Request latency, end to end.",
                              ["model"], buckets=E2E_BUCKETS, registry=self.registry)
-        self.page_in = Histogram("mox:expert_page_in_seconds", "Time to read one expert in.",
-                                 ["model"], buckets=PAGE_IN_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter("mox:prompt_tokens_total", "Prompt tokens processed.",
                                      ["model"], registry=self.registry)
         self.generation_tokens = Counter("mox:generation_tokens_total", "Tokens generated.",
@@ -85,10 +87,6 @@ class ServerMetrics:
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(generation_tokens)
         self.request_success.labels(model, finish_reason).inc()
-
-    def observe_page_in(self, model: str, seconds: float) -> None:
-        """Thread-safe (prometheus_client locks), so the pager's I/O threads may call it."""
-        self.page_in.labels(model).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its Content-Type."""
@@ -116,6 +114,7 @@ class SnapshotCollector:
                               lambda m: m.get("pager", {}))
         yield from _per_model(models, _PAGER_GAUGES, GaugeMetricFamily,
                               lambda m: m.get("pager", {}))
+        yield _page_ins(models)
         yield _model_states(models)
         for key, help_text in _DEVICE_GAUGES.items():
             if snap.get(key) is not None:     # no budget: serving everything resident
@@ -133,6 +132,22 @@ def _per_model(models: dict[str, dict], spec: dict[str, tuple[str, str]], family
             if value is not None:
                 metric.add_metric([model], float(value))
         yield metric
+
+
+def _page_ins(models: dict[str, dict]) -> Metric:
+    """The pager's read times (bucket bounds and per-bucket counts, the last unbounded) as a
+    cumulative Prometheus histogram."""
+    metric = HistogramMetricFamily("mox:expert_page_in_seconds", "Time to read one expert in.",
+                                   labels=["model"])
+    for model, state in sorted(models.items()):
+        pager = state.get("pager", {})
+        if "page_in_counts" not in pager:
+            continue
+        bounds = [str(float(b)) for b in pager["page_in_buckets"]] + ["+Inf"]
+        cumulative = list(itertools.accumulate(pager["page_in_counts"]))
+        metric.add_metric([model], list(zip(bounds, cumulative)),
+                          float(pager.get("read_seconds", 0.0)))
+    return metric
 
 
 def _model_states(models: dict[str, dict]) -> Metric:

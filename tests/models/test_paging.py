@@ -32,7 +32,7 @@ def test_budgeted_generation_equals_all_resident(hf_checkpoints, case):
     assert stats["misses"] > 0 and stats["evictions"] > 0
     assert stats["waves"] > num_moe_layers * (NUM_TOKENS + 1)      # some steps needed waves
     assert stats["peak_resident_bytes"] <= stats["budget_bytes"]
-    llm.pager.check_integrity(llm.checkpoint.path)
+    llm.pool.check_integrity()
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "rate"])
@@ -85,6 +85,6 @@ def test_a_request_hitting_a_damaged_file_fails_and_the_next_works(hf_checkpoint
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*layer \d expert \d"):
         for _ in range(4):                             # until a step misses a lost expert
             _greedy(llm, prompt)
-    llm.pager.check_integrity(llm.checkpoint.path)
+    llm.pool.check_integrity()
     shard.write_bytes(saved)                           # the file is back
     assert _greedy(llm, prompt) == expected

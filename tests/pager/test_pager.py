@@ -9,12 +9,18 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from mox.errors import MoxError
 from mox.loaders import Checkpoint, CheckpointError
 from mox.loaders.stream import read_tensor
-from mox.pager import ExpertPager, make_pager
+from mox.pager import ModelPool, make_pager
 from mox.pager.eviction import LFUPolicy, LRUPolicy, RatePolicy
 
 CPU = torch.device("cpu")
@@ -35,21 +41,17 @@ def expected_expert(ckpt: Checkpoint, layer: int, expert: int, dtype: torch.dtyp
     return torch.cat([gate, up]), down
 
 
-def assert_slot_holds(pager: ExpertPager, name: str, ckpt: Checkpoint, key, index: int):
-    pool = pager.pool(name)
+def assert_slot_holds(pool: ModelPool, ckpt: Checkpoint, key, index: int):
+    slots = pool.slot_pool
     moe_layers = [i for i, m in enumerate(ckpt.spec.moe_layers) if m]
-    w13, w2 = expected_expert(ckpt, moe_layers[key[0]], key[1], pool.dtype)
-    assert torch.equal(pool.w13[index], w13) and torch.equal(pool.w2[index], w2), key
+    w13, w2 = expected_expert(ckpt, moe_layers[key[0]], key[1], slots.dtype)
+    assert torch.equal(slots.w13[index], w13) and torch.equal(slots.w2[index], w2), key
 
 
-def new_pager(ckpt: Checkpoint, num_slots: int | None, dtype=torch.float32, policy="lru",
-              host_memory=None) -> tuple[ExpertPager, str]:
-    pager = make_pager(CPU, host_memory)
-    pager.clock = FakeClock()
-    expert_bytes = 3 * ckpt.spec.hidden_size * ckpt.spec.moe_intermediate_size * dtype.itemsize
-    budget = None if num_slots is None else num_slots * expert_bytes
-    pager.add_model("m", ckpt, dtype, CPU, budget, policy)
-    return pager, "m"
+def new_pool(ckpt: Checkpoint, num_slots: int | None, dtype=torch.float32, policy="lru",
+             host_memory=None) -> ModelPool:
+    pager = make_pager(CPU, host_memory, clock=FakeClock())
+    return pager.add_model("m", ckpt, dtype, CPU, num_slots, policy)
 
 
 @pytest.fixture()
@@ -61,58 +63,58 @@ def ckpt(hf_checkpoints, tmp_path):
 
 def test_budget_below_top_k_is_refused(ckpt):
     with pytest.raises(MoxError, match="at least top_k = 2"):
-        new_pager(ckpt, num_slots=1)
+        new_pool(ckpt, num_slots=1)
 
 
 def test_waves_cover_more_experts_than_slots_exactly_once(ckpt):
-    pager, name = new_pager(ckpt, num_slots=3)
+    pool = new_pool(ckpt, num_slots=3)
     seen = []
-    for lease in pager.waves(name, 1, range(8)):
+    for lease in pool.waves(1, range(8)):
         assert len(lease.slots) <= 3
         mapped = [e for e, s in enumerate(lease.slot_map.tolist()) if s >= 0]
         seen += mapped
         for expert, index in zip(mapped, lease.slots):
-            assert_slot_holds(pager, name, ckpt, (1, expert), index)
-        pager.check_integrity(name)
+            assert_slot_holds(pool, ckpt, (1, expert), index)
+        pool.check_integrity()
     assert sorted(seen) == list(range(8))
-    stats = pager.stats(name)
+    stats = pool.stats()
     assert stats["misses"] == 8 and stats["waves"] >= 3
     assert stats["peak_resident_bytes"] <= stats["budget_bytes"]
 
 
 def test_hits_come_first_and_count(ckpt):
-    pager, name = new_pager(ckpt, num_slots=4)
-    pager.release(pager.acquire(name, 0, [1, 2]))
+    pool = new_pool(ckpt, num_slots=4)
+    pool.release(pool.acquire(0, [1, 2]))
     waves = [sorted(e for e, s in enumerate(w.slot_map.tolist()) if s >= 0)
-             for w in pager.waves(name, 0, [1, 2, 5])]
+             for w in pool.waves(0, [1, 2, 5])]
     assert waves[0] == [1, 2] and waves[1] == [5]
-    assert pager.stats(name)["hits"] == 2
+    assert pool.stats()["hits"] == 2
 
 
 def test_leased_experts_are_never_evicted(ckpt):
-    pager, name = new_pager(ckpt, num_slots=3)
-    held = pager.acquire(name, 0, [0, 1])
-    for lease in pager.waves(name, 1, range(8)):          # only one slot left to cycle
+    pool = new_pool(ckpt, num_slots=3)
+    held = pool.acquire(0, [0, 1])
+    for lease in pool.waves(1, range(8)):          # only one slot left to cycle
         assert len(lease.slots) == 1
     for expert, index in zip([0, 1], held.slots):
-        assert pager.pool(name).lookup((0, expert)) == index
-    pager.release(held)
-    pager.check_integrity(name)
+        assert pool.slot_pool.lookup((0, expert)) == index
+    pool.release(held)
+    pool.check_integrity()
 
 
 def test_shrinking_budget_evicts_unleased_and_compacts(ckpt):
-    pager, name = new_pager(ckpt, num_slots=6)
-    pager.release(pager.acquire(name, 0, range(6)))
-    held = pager.acquire(name, 0, [4])
-    pager.set_budget(name, 2 * pager.stats(name)["expert_bytes"])
-    assert pager.pool(name).num_occupied == 2              # the leased one plus one more
-    pager.release(held)                                    # quiet: the pool shrinks to fit
-    pool = pager.pool(name)
-    assert pool.num_slots == 2 and pool.lookup((0, 4)) != -1
-    pager.check_integrity(name)
-    assert_slot_holds(pager, name, ckpt, (0, 4), pool.lookup((0, 4)))
-    pager.set_budget(name, 5 * pager.stats(name)["expert_bytes"])       # grows when quiet
-    assert pool.num_slots == 5
+    pool = new_pool(ckpt, num_slots=6)
+    pool.release(pool.acquire(0, range(6)))
+    held = pool.acquire(0, [4])
+    pool.resize(2)
+    assert pool.slot_pool.num_occupied == 2              # the leased one plus one more
+    pool.release(held)                                    # quiet: the pool shrinks to fit
+    slots = pool.slot_pool
+    assert slots.num_slots == 2 and slots.lookup((0, 4)) != -1
+    pool.check_integrity()
+    assert_slot_holds(pool, ckpt, (0, 4), slots.lookup((0, 4)))
+    pool.resize(5)                                         # grows when quiet
+    assert slots.num_slots == 5
 
 
 def test_cpu_pools_resize_in_place_and_give_pages_back():
@@ -167,41 +169,41 @@ def test_policies_choose_their_victims():
 
 def test_host_tier_serves_evicted_experts(ckpt):
     expert_bytes_disk = ckpt.expert_nbytes
-    pager, name = new_pager(ckpt, num_slots=2, host_memory=8 * expert_bytes_disk)
-    for _ in pager.waves(name, 0, range(6)):               # 6 experts through 2 slots
+    pool = new_pool(ckpt, num_slots=2, host_memory=8 * expert_bytes_disk)
+    for _ in pool.waves(0, range(6)):               # 6 experts through 2 slots
         pass
-    before = pager.stats(name)
+    before = pool.stats()
     assert before["bytes_read_disk"] == 6 * expert_bytes_disk
-    for lease in pager.waves(name, 0, range(6)):
+    for lease in pool.waves(0, range(6)):
         for expert, index in zip([e for e, s in enumerate(lease.slot_map.tolist()) if s >= 0],
                                  lease.slots):
-            assert_slot_holds(pager, name, ckpt, (0, expert), index)
-    after = pager.stats(name)
+            assert_slot_holds(pool, ckpt, (0, expert), index)
+    after = pool.stats()
     assert after["bytes_read_disk"] == before["bytes_read_disk"]
     assert after["bytes_read_host"] > 0
 
 
 def test_prefetch_loads_ahead_and_counts_hits(ckpt):
-    pager, name = new_pager(ckpt, num_slots=8)
-    pager.prefetch(name, 1, [3, 4])
-    for _ in pager.waves(name, 1, [3, 4]):
+    pool = new_pool(ckpt, num_slots=8)
+    pool.prefetch(1, [3, 4])
+    for _ in pool.waves(1, [3, 4]):
         pass
-    stats = pager.stats(name)
+    stats = pool.stats()
     assert stats["prefetches"] == 2 and stats["prefetch_hits"] == 2
 
 
 def test_prefetch_never_evicts_protected_layers(ckpt):
-    pager, name = new_pager(ckpt, num_slots=2)
-    pager.release(pager.acquire(name, 0, [0, 1]))
-    pager.prefetch(name, 1, [5], protect_layers=(0,))
-    assert pager.stats(name)["prefetches"] == 0
-    pager.prefetch(name, 1, [5])
-    assert pager.stats(name)["prefetches"] == 1
+    pool = new_pool(ckpt, num_slots=2)
+    pool.release(pool.acquire(0, [0, 1]))
+    pool.prefetch(1, [5], protect_layers=(0,))
+    assert pool.stats()["prefetches"] == 0
+    pool.prefetch(1, [5])
+    assert pool.stats()["prefetches"] == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_a_damaged_file_fails_the_step_and_recovers(ckpt, damage):
-    pager, name = new_pager(ckpt, num_slots=4)
+    pool = new_pool(ckpt, num_slots=4)
     shard = ckpt.experts[1, 6].down.file
     saved = shard + ".saved"
     shutil.copy(shard, saved)
@@ -210,26 +212,26 @@ def test_a_damaged_file_fails_the_step_and_recovers(ckpt, damage):
     else:
         os.remove(shard)
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*layer 1 expert 6"):
-        for _ in pager.waves(name, 1, [6]):
+        for _ in pool.waves(1, [6]):
             pass
-    pager.check_integrity(name)
-    assert pager.pool(name).lookup((1, 6)) == -1 and pager.pool(name).num_occupied == 0
+    pool.check_integrity()
+    assert pool.slot_pool.lookup((1, 6)) == -1 and pool.slot_pool.num_occupied == 0
     os.replace(saved, shard)                               # the file is back
-    lease = pager.acquire(name, 1, [6])
-    assert_slot_holds(pager, name, ckpt, (1, 6), lease.slots[0])
-    pager.release(lease)
+    lease = pool.acquire(1, [6])
+    assert_slot_holds(pool, ckpt, (1, 6), lease.slots[0])
+    pool.release(lease)
 
 
 class PagerMachine(RuleBasedStateMachine):
-    """Random acquire / release / set_budget / prefetch / policy changes. Invariants: the
+    """Random acquire / release / resize / prefetch, under each eviction policy. Invariants: the
     budget holds (beyond it only experts leased when it shrank), leased experts stay put,
     and every resident slot holds exactly its expert's checkpoint bytes."""
 
     ckpt: Checkpoint = None   # set by the test
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.pager, self.name = new_pager(self.ckpt, num_slots=4, dtype=torch.bfloat16)
+    @initialize(policy=st.sampled_from(["lru", "lfu", "rate"]))
+    def open_pool(self, policy):
+        self.pool = new_pool(self.ckpt, num_slots=4, dtype=torch.bfloat16, policy=policy)
         self.leases = []
 
     def _pinned(self) -> int:
@@ -237,63 +239,59 @@ class PagerMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, 1), experts=st.sets(st.integers(0, 7), min_size=1, max_size=3))
     def acquire(self, layer, experts):
-        target = self.pager.pool(self.name).target_slots
+        target = self.pool.slot_pool.target_slots
         held = {(lease.moe_layer, e) for lease in self.leases
                 for e, s in enumerate(lease.slot_map.tolist()) if s >= 0}
         new = {(layer, e) for e in experts} - held
         if self._pinned() + len(new) > target or new != {(layer, e) for e in experts}:
             return                          # would wait for a lease this test never releases
-        self.leases.append(self.pager.acquire(self.name, layer, experts))
+        self.leases.append(self.pool.acquire(layer, experts))
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
     def release(self, data):
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
-        self.pager.release(lease)
+        self.pool.release(lease)
 
     @rule(slots=st.integers(2, 7))
-    def set_budget(self, slots):
-        self.pager.set_budget(self.name, slots * self.pager.stats(self.name)["expert_bytes"])
+    def resize(self, slots):
+        self.pool.resize(slots)
 
     @rule(layer=st.integers(0, 1), experts=st.sets(st.integers(0, 7), max_size=4))
     def prefetch(self, layer, experts):
-        self.pager.prefetch(self.name, layer, experts)
-        self.pager.wait_for_loads(self.name)      # keep the run deterministic for shrinking
-
-    @rule(policy=st.sampled_from(["lru", "lfu", "rate"]))
-    def set_policy(self, policy):
-        self.pager.set_policy(self.name, policy)
+        self.pool.prefetch(layer, experts)
+        self.pool.wait_for_loads()      # keep the run deterministic for shrinking
 
     @invariant()
     def tables_are_consistent(self):
-        self.pager.check_integrity(self.name)
+        self.pool.check_integrity()
 
     @invariant()
     def budget_holds(self):
-        stats = self.pager.stats(self.name)
+        stats = self.pool.stats()
         pinned_bytes = self._pinned() * stats["expert_bytes"]
         assert stats["resident_bytes"] <= max(stats["budget_bytes"], pinned_bytes)
 
     @invariant()
     def leased_experts_stay_and_hold_their_bytes(self):
-        pool = self.pager.pool(self.name)
+        pool = self.pool.slot_pool
         for lease in self.leases:
             for expert, s in enumerate(lease.slot_map.tolist()):
                 if s >= 0:
                     assert pool.lookup((lease.moe_layer, expert)) == s
-                    assert_slot_holds(self.pager, self.name, self.ckpt,
+                    assert_slot_holds(self.pool, self.ckpt,
                                       (lease.moe_layer, expert), s)
 
     @invariant()
     def resident_slots_hold_their_bytes(self):
-        pool = self.pager.pool(self.name)
+        pool = self.pool.slot_pool
         for index, slot in enumerate(pool.slots):
             if slot.key is not None and not slot.loading:
-                assert_slot_holds(self.pager, self.name, self.ckpt, slot.key, index)
+                assert_slot_holds(self.pool, self.ckpt, slot.key, index)
 
     def teardown(self):
         for lease in self.leases:
-            self.pager.release(lease)
+            self.pool.release(lease)
 
 
 def test_pager_state_machine(ckpt):
@@ -305,28 +303,28 @@ def test_pager_state_machine(ckpt):
 
 
 def test_prefetch_popular_takes_only_clearly_popular_experts(ckpt):
-    pager, name = new_pager(ckpt, num_slots=8)
+    pool = new_pool(ckpt, num_slots=8)
     for _ in range(20):                                    # layer 0 always uses experts 1, 2
-        for _lease in pager.waves(name, 0, [1, 2]):
+        for _lease in pool.waves(0, [1, 2]):
             pass
-        for _lease in pager.waves(name, 1, [3, 4]):
+        for _lease in pool.waves(1, [3, 4]):
             pass
-    pager.set_budget(name, 0)                              # parked, then back: a cold pool
-    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
-    started = pager.prefetch_popular(name, limit=8)
-    pager.wait_for_loads(name)
-    pool = pager.pool(name)
-    resident = {pool.slots[i].key for i in range(pool.num_slots) if pool.slots[i].key}
+    pool.resize(0)                                         # parked, then back: a cold pool
+    pool.resize(8)
+    started = pool.prefetch_popular(limit=8)
+    pool.wait_for_loads()
+    slots = pool.slot_pool
+    resident = {slots.slots[i].key for i in range(slots.num_slots) if slots.slots[i].key}
     assert started == 4 and resident == {(0, 1), (0, 2), (1, 3), (1, 4)}
-    pager.check_integrity(name)
+    pool.check_integrity()
 
 
 def test_prefetch_popular_skips_uniform_usage(ckpt):
-    pager, name = new_pager(ckpt, num_slots=8)
+    pool = new_pool(ckpt, num_slots=8)
     num_experts = ckpt.spec.num_experts
     for step in range(num_experts):                        # every expert equally often
-        for _lease in pager.waves(name, 0, [step, (step + 1) % num_experts]):
+        for _lease in pool.waves(0, [step, (step + 1) % num_experts]):
             pass
-    pager.set_budget(name, 0)
-    pager.set_budget(name, 8 * pager.pool(name).expert_nbytes)
-    assert pager.prefetch_popular(name, limit=8) == 0
+    pool.resize(0)
+    pool.resize(8)
+    assert pool.prefetch_popular(limit=8) == 0

@@ -34,7 +34,7 @@ def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, **config) -
     device budget of every dense weight plus `experts` experts."""
     path = hf_checkpoints["olmoe"][0]
     probe = Router({"probe": path}, RouterConfig(dtype="float32"))
-    dense, expert = probe.models["probe"].dense_nbytes, probe.residency.slot_bytes("probe")
+    dense, expert = probe.models["probe"].dense_nbytes, probe.models["probe"].pool.expert_nbytes
     config = {"dtype": "float32", "kv_memory": 16 << 20, "plan_period_s": 1.0,
               "device_memory": len(names) * dense + experts * expert, **config}
     return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock())
@@ -83,10 +83,10 @@ def test_slots_follow_a_shift_of_traffic(hf_checkpoints):
             clock.now += 1.0
 
     traffic("a", 6)
-    slots_a = router.pager.pool("a").target_slots
+    slots_a = router.models["a"].pool.num_slots
     assert slots_a > 6                                   # a holds most of the 12
     traffic("b", 12)
-    pools = {n: router.pager.pool(n).target_slots for n in "ab"}
+    pools = {n: router.models[n].pool.num_slots for n in "ab"}
     assert pools["b"] > pools["a"] and pools["a"] < slots_a
     assert sum(pools.values()) <= 12
 
@@ -101,7 +101,7 @@ def test_steady_traffic_does_not_thrash(hf_checkpoints):
             router.add_request(Request(rid, rid[0], [3, 4, 5 + period % 3], _params(3)))
         _run(router, clock, _finished(ids))
         clock.now += 1.0
-        history.append(tuple(router.pager.pool(n).target_slots for n in "ab"))
+        history.append(tuple(router.models[n].pool.num_slots for n in "ab"))
     steady = history[4:]
     changes = sum(x != y for x, y in zip(steady, steady[1:]))
     assert changes <= 1, history
@@ -124,7 +124,7 @@ def test_a_cold_model_is_served_while_hot_models_decode(hf_checkpoints):
     _run(router, clock, _finished(["c-2"]))
     assert router.models["c"].num_loads == 1                          # loaded once
     for name in router.models:
-        router.pager.check_integrity(name)
+        router.models[name].pool.check_integrity()
 
 
 def test_admission_limits_and_queue_timeouts(hf_checkpoints):
@@ -167,15 +167,15 @@ def test_idle_models_are_parked(hf_checkpoints):
 def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):
     clock = FakeClock()
     probe = _router(hf_checkpoints, names=("p",), experts=0)
-    whole = probe.models["p"].dense_nbytes + 16 * probe.residency.slot_bytes("p")
+    whole = probe.models["p"].dense_nbytes + 16 * probe.models["p"].pool.expert_nbytes
     router = _router(hf_checkpoints, clock=clock, policy="model-swap", experts=0,
                      device_memory=whole + 1000)            # one whole model at a time
     for i, model in enumerate("abab"):
         router.add_request(Request(f"r{i}", model, [3, 4], _params(2)))
         _run(router, clock, _finished([f"r{i}"]))
-        assert router.pager.stats(model)["num_slots"] == 16
+        assert router.models[model].pool.stats()["num_slots"] == 16
     assert router.models["a"].num_loads == 2 and router.models["b"].num_loads == 2
-    stats = router.pager.stats("a")
+    stats = router.models["a"].pool.stats()
     assert stats["bytes_read"] == 2 * 16 * stats["expert_bytes"]   # every expert, each load
 
 
@@ -184,13 +184,13 @@ def test_all_resident_loads_everything_and_never_evicts(hf_checkpoints):
     router = _router(hf_checkpoints, clock=clock, policy="all-resident")
     for model in "ab":
         router.warm_up(model)
-    loaded = {m: router.pager.stats(m)["misses"] for m in "ab"}
+    loaded = {m: router.models[m].pool.stats()["misses"] for m in "ab"}
     assert loaded == {"a": 16, "b": 16}                    # every expert read at start-up
     for i in range(6):
         router.add_request(Request(f"r{i}", "ab"[i % 2], [3 + i, 4], _params(3)))
     _run(router, clock, _finished([f"r{i}" for i in range(6)]))
     for model in "ab":
-        stats = router.pager.stats(model)
+        stats = router.models[model].pool.stats()
         assert stats["evictions"] == 0 and stats["misses"] == loaded[model]
         assert stats["num_slots"] == 16
         assert router.models[model].num_loads == 1
@@ -289,8 +289,8 @@ def test_a_grown_pool_prefetches_popular_experts_only_where_prefetch_is_on(hf_ch
     router.add_request(Request("r", "a", list(range(3, 40)), _params(2)))
     _run(router, clock, _finished(["r"]))
     router.residency.apply({"a": 0})
-    before = router.pager.stats("a")["prefetches"]
+    before = router.models["a"].pool.stats()["prefetches"]
     router.residency.apply({"a": 16})
-    router.pager.wait_for_loads("a")
-    started = router.pager.stats("a")["prefetches"] - before
+    router.models["a"].pool.wait_for_loads()
+    started = router.models["a"].pool.stats()["prefetches"] - before
     assert (started > 0) == prefetch
