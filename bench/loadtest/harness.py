@@ -25,7 +25,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import aiohttp
 
@@ -33,7 +32,11 @@ from mox.bench.loadtest.loadgen import LoadGenerator, MetricsScraper, replay
 from mox.bench.loadtest.results_schema import BenchConfig, Results, Suite
 from mox.bench.loadtest.routing_stats import measure_routing
 from mox.bench.loadtest.summaries import RunRecord, build_results, summarize_suite
-from mox.bench.loadtest.workload import RequestSpec, SyntheticWorkload, TraceWorkload
+from mox.bench.loadtest.workload import (
+    SuitePlan,
+    SyntheticWorkload,
+    TraceWorkload,
+)
 from mox.demo import ensure_demo_models
 from mox.registry import Registry, validate_checkpoint
 
@@ -48,17 +51,6 @@ LOG_TAIL_CHARS = 2000
 
 class HarnessError(RuntimeError):
     """A server would not start, or a suite cannot run (a model does not fit the budget)."""
-
-
-@dataclass(frozen=True)
-class SuitePlan:
-    name: str
-    routing_skew: float
-    models: dict[str, str]              # name -> checkpoint, in popularity order
-    dense_bytes: int
-    expert_bytes: int
-    device_budget_bytes: int
-    requests: list[RequestSpec]
 
 
 def deadline_s(duration_s: float) -> float:

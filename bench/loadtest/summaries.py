@@ -15,7 +15,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,9 +37,7 @@ from mox.bench.loadtest.results_schema import (
     Workload,
 )
 from mox.bench.loadtest.routing_stats import RoutingStats
-
-if TYPE_CHECKING:
-    from mox.bench.loadtest.harness import SuitePlan
+from mox.bench.loadtest.workload import SuitePlan
 
 # The targets, same run and budget: rate vs model-swap p99 TTFT and goodput, rate vs
 # all-resident throughput.

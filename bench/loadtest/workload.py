@@ -200,3 +200,16 @@ def _seconds(value: str) -> float:
     head, dot, frac = value.partition(".")
     stamp = datetime.fromisoformat(head + (dot + frac[:6] if dot else ""))
     return stamp.timestamp()
+
+
+@dataclass(frozen=True)
+class SuitePlan:
+    """One suite of a load test (one routing skew): its models, device budget and requests."""
+
+    name: str
+    routing_skew: float
+    models: dict[str, str]              # name -> checkpoint, in popularity order
+    dense_bytes: int
+    expert_bytes: int
+    device_budget_bytes: int
+    requests: list[RequestSpec]
