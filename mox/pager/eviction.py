@@ -71,8 +71,9 @@ class LFUPolicy(EvictionPolicy):
 
 @dataclass
 class RatePolicy(EvictionPolicy):
-    """Model request rate x exponentially decayed activation frequency of the expert. Within
-    one pool the rate scales every score alike; it matters when the router compares models.
+    """Exponentially decayed activation frequency of the expert. (The model's request rate
+    scales every score of a pool alike, so within a pool it would change nothing: the router's
+    planner weighs models by rate when it divides the budget, mox.router.planner.)
 
     Every frequency decays by the same factor, so the pool's order never changes between
     accesses: each expert keeps `log(frequency) + now * ln2 / half_life` as of its last
@@ -80,7 +81,6 @@ class RatePolicy(EvictionPolicy):
     history outlives eviction: a popular expert comes back popular."""
 
     half_life_s: float = RATE_HALF_LIFE_S
-    request_rate: float = 1.0
     log_freq: dict[ExpertKey, float] = field(default_factory=dict)   # shifted, see above
 
     def _growth(self, now: float) -> float:
@@ -93,9 +93,6 @@ class RatePolicy(EvictionPolicy):
 
     def on_access(self, key: ExpertKey, now: float) -> None:
         self.log_freq[key] = math.log(self.frequency(key, now) + 1.0) + self._growth(now)
-
-    def set_rate(self, requests_per_s: float) -> None:
-        self.request_rate = requests_per_s
 
     def score(self, key: ExpertKey, now: float) -> float:
         return self.log_freq.get(key, -math.inf)

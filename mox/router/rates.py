@@ -41,12 +41,10 @@ class ModelTraffic:
 
     arrivals: list[DecayedRate] = field(default_factory=_windows)
     tokens: list[DecayedRate] = field(default_factory=_windows)
-    last_arrival: float | None = None
 
     def on_arrival(self, now: float) -> None:
         for window in self.arrivals:
             window.add(now)
-        self.last_arrival = now
 
     def on_tokens(self, now: float, count: int) -> None:
         for window in self.tokens:

@@ -74,8 +74,8 @@ def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
     decoder = load_model(model.ckpt, dtype, device, model.pool)
     if whole:
         for moe_layer in range(model.pool.num_moe_layers):
-            for _ in model.pool.waves(moe_layer, range(model.ckpt.spec.num_experts)):
-                pass
+            experts = range(model.ckpt.spec.num_experts)
+            model.pool.release(model.pool.acquire(moe_layer, experts))
     return decoder
 
 

@@ -1,0 +1,102 @@
+"""Memory policies as pure functions: a frozen view of the models in, a plan out (no router)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mox.errors import MoxError
+from mox.messages import ModelState
+from mox.router.memory_policy import MemoryView, ModelView, make_memory_policy
+
+DENSE, EXPERT, TOP_K, LAYERS, EXPERTS = 1000, 100, 2, 2, 8
+ALL = LAYERS * EXPERTS                      # every expert of a model: 16 slots
+
+
+def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
+          rate: float = 0.0, last_active: float = 0.0, arrival: float = float("inf"),
+          slots: int = 0) -> ModelView:
+    usage = np.full((LAYERS, EXPERTS), TOP_K / EXPERTS)
+    return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
+                     arrival, usage)
+
+
+def view(budget: int | None, *models: ModelView) -> MemoryView:
+    return MemoryView(budget, models)
+
+
+def plan_bytes(plan, v: MemoryView) -> int:
+    """Device bytes the plan holds: dense weights of the models that hold memory after it
+    (warm or loading, minus the parked, plus the loads) and every slot."""
+    holding = {m.name for m in v.models if m.holds_device_memory} - set(plan.park)
+    holding |= set(plan.load)
+    return DENSE * len(holding) + EXPERT * sum(plan.slots.values())
+
+
+def test_rate_admits_a_cold_model_by_parking_the_least_requested_idle_one():
+    v = view(2 * DENSE + 10 * EXPERT,
+             model("hot", busy=True, rate=2.0, slots=8),
+             model("idle-busier", rate=0.5, slots=2, last_active=1.0),
+             model("idle-quiet", rate=0.1, slots=2, last_active=5.0),
+             model("cold", ModelState.COLD, busy=True, arrival=3.0))
+    plan = make_memory_policy("rate").plan(v)
+    # two dense models fit beside "hot" only after both idle ones leave: the quiet one first
+    assert plan.park == ("idle-quiet", "idle-busier") and plan.load == ("cold",)
+    assert plan.slots["idle-quiet"] == plan.slots["idle-busier"] == 0
+    assert plan.slots["hot"] >= TOP_K and plan.slots["cold"] >= TOP_K
+    assert plan_bytes(plan, v) <= v.budget_bytes
+
+
+def test_a_cold_model_waits_while_only_busy_models_hold_the_memory():
+    v = view(2 * DENSE + 8 * EXPERT,
+             model("a", busy=True, rate=1.0, slots=4), model("b", busy=True, rate=1.0, slots=4),
+             model("cold", ModelState.COLD, busy=True, arrival=1.0))
+    for policy in ("rate", "model-swap"):
+        plan = make_memory_policy(policy).plan(v)
+        assert plan.load == () and plan.park == () and plan.slots["cold"] == 0
+
+
+def test_cold_models_are_admitted_oldest_request_first():
+    v = view(2 * DENSE + 4 * EXPERT,
+             model("late", ModelState.COLD, busy=True, arrival=9.0),
+             model("early", ModelState.COLD, busy=True, arrival=1.0),
+             model("idle-cold", ModelState.COLD))
+    plan = make_memory_policy("rate").plan(v)
+    assert plan.load == ("early", "late") and plan.slots["idle-cold"] == 0
+    assert plan_bytes(plan, v) <= v.budget_bytes
+
+
+def test_model_swap_loads_whole_models_and_parks_the_least_recently_used():
+    v = view(2 * (DENSE + ALL * EXPERT),
+             model("recent", rate=0.0, last_active=9.0, slots=ALL),
+             model("old", rate=5.0, last_active=1.0, slots=ALL),
+             model("cold", ModelState.COLD, busy=True, arrival=10.0))
+    plan = make_memory_policy("model-swap").plan(v)
+    assert plan.park == ("old",) and plan.load == ("cold",)         # LRU, whatever the rate
+    assert plan.slots == {"recent": ALL, "old": 0, "cold": ALL}
+
+
+def test_equal_split_gives_every_model_the_same_share_and_parks_nothing():
+    v = view(3 * DENSE + 15 * EXPERT, model("a", busy=True), model("b"),
+             model("cold", ModelState.COLD, busy=True, arrival=1.0))
+    plan = make_memory_policy("lru").plan(v)
+    assert plan.park == () and plan.load == ("cold",)
+    assert plan.slots == {"a": 5, "b": 5, "cold": 5}
+
+
+def test_all_resident_ignores_the_budget():
+    v = view(1, model("a"), model("b", ModelState.COLD))
+    policy = make_memory_policy("all-resident")
+    policy.check_fits(v, "a")
+    assert policy.plan(v).slots == {"a": ALL, "b": 0}
+
+
+@pytest.mark.parametrize("policy, budget, match", [
+    ("rate", DENSE + EXPERT, "needs 1200 bytes"),
+    ("model-swap", DENSE + 10 * EXPERT, "whole checkpoint"),
+    ("lru", 2 * DENSE + 3 * EXPERT, "equal split"),
+])
+def test_a_budget_that_can_never_run_a_model_is_refused(policy, budget, match):
+    v = view(budget, model("a"), model("b"))
+    with pytest.raises(MoxError, match=match):
+        make_memory_policy(policy).check_fits(v, "a")
