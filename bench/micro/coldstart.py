@@ -161,13 +161,13 @@ def run(variant: str, path: str, ids: list[int], budget: int) -> dict:
     if variant == "lazy-mmap":
         # the pager over a loader that faults experts in from safetensors' mmap (not mox's
         # reader): the one variant built outside the router, to swap its loader
-        ckpt, cpu = Checkpoint(path), torch.device("cpu")
+        ckpt, device = Checkpoint(path), torch.device("cpu")
         spec = ckpt.spec
         per_expert = expert_nbytes(spec.hidden_size, spec.moe_intermediate_size,
                                    torch.bfloat16, spec.expert_bias)
-        pool = ExpertPager(MmapExpertLoader()).add_model(ckpt.path, ckpt, torch.bfloat16, cpu,
-                                                         budget // per_expert)
-        model = load_model(ckpt, torch.bfloat16, cpu, pool)
+        pool = ExpertPager(MmapExpertLoader()).add_model(ckpt.path, ckpt, torch.bfloat16,
+                                                         device, budget // per_expert)
+        model = load_model(ckpt, torch.bfloat16, device, pool)
         first = lambda: int(model.forward(torch.tensor(ids), model.new_cache())[-1].argmax())
     else:
         llm = LLM(path, expert_memory=None if variant == "whole-model" else budget,
