@@ -1,54 +1,20 @@
-"""The async interface (streaming, concurrency, cancellation) and incremental text."""
+"""The async driver (mox.router.driver): streaming, concurrency, cancellation, errors."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 
 import pytest
 
 from mox.engine import Engine
-from mox.engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
 from mox.errors import ModelNotFoundError
 from mox.messages import FinishReason, Request
 from mox.router.driver import AsyncEngine
 from mox.sampling import SamplingParams
-from mox.tokenizer import Tokenizer
 from tests.conftest import open_tiny, serve_loaded, tiny_router
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(demo_home):
-    return Tokenizer(os.path.join(demo_home, "models", "olmoe-demo", "tokenizer.json"))
-
-
-def test_multibyte_characters_are_never_split(tokenizer):
-    text = "Héllo wörld, 日本語のテキスト, emoji 🙂 and more."
-    ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, stop=())
-    deltas = [detok.push([t]) for t in ids]
-    assert all(INCOMPLETE_CHAR not in d for d in deltas)
-    assert "".join(deltas) == tokenizer.decode(ids) == text
-    assert any(d == "" for d in deltas)          # some token ended mid-character and waited
-
-
-def test_stop_string_spanning_tokens_is_found(tokenizer):
-    text = "The weather is sunny with a light breeze"
-    ids = tokenizer.encode(text)
-    pieces = [tokenizer.decode([t]) for t in ids]
-    # a stop string made of the end of one token and the start of the next
-    i = next(i for i in range(len(pieces) - 1) if len(pieces[i]) > 1 and len(pieces[i + 1]) > 1)
-    stop = pieces[i][-2:] + pieces[i + 1][:2]
-    detok = IncrementalDetokenizer(tokenizer, stop=(stop,))
-    emitted = ""
-    for t in ids:
-        emitted += detok.push([t])
-        if detok.stopped:
-            break
-    assert detok.stopped and emitted == text[:text.find(stop)]
 
 
 def _async_engine(hf_checkpoints) -> tuple[AsyncEngine, Engine]:
