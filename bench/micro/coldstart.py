@@ -268,7 +268,7 @@ def run_metadata(argv: list[str], path: str, dense: int, budget: int) -> dict:
     return {"command": shlex.join([".venv/bin/python", "-m", "mox.bench.micro.coldstart", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_head": commit, "uncommitted_in_mox": [d.strip() for d in dirty if d],
-            "pager_py_sha256": pager_hash, "torch": torch.__version__,
+            "model_pool_py_sha256": pager_hash, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "checkpoint": path, "dense_bytes": dense,
             "expert_bytes_total": budget}
 

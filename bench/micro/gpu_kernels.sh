@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/configs"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 source bench/micro/gpu_setup.sh
 python3 -m mox.bench.micro.gpu_kernels --out "$OUT" --phase default 2>&1 | tee "$OUT/default.log"

@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 source bench/micro/gpu_setup.sh
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -15 \

@@ -1,8 +1,8 @@
-"""The expert pager: the shared I/O and lock (`pager`), each model's pool of experts with its
-waves, prefetch and budget (`model_pool`), the pool's tensors and residency table
-(`slot_pool`), moving one expert's bytes (`expert_loader`), the RAM tier (`host_cache`),
-eviction policies (`eviction`), per-expert activation frequencies (`usage`) and the figures
-it counts (`stats`)."""
+"""The expert pager: the shared I/O and lock (`pager`); each model's pool of experts, with its
+waves, leases, prefetch and budget (`model_pool`) and the loading and eviction under them
+(`paging`); the pool's tensors and residency table (`slot_pool`); moving one expert's bytes
+(`expert_loader`); the RAM tier (`host_cache`); eviction policies (`eviction`); per-expert
+activation frequencies (`usage`); and the figures it counts (`stats`)."""
 
 from mox.pager.host_cache import HostCache
 from mox.pager.model_pool import Lease, ModelPool

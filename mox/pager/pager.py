@@ -17,7 +17,8 @@ from mox.loaders import Checkpoint
 from mox.loaders.stream import StreamingReader
 from mox.pager.expert_loader import ExpertLoader
 from mox.pager.host_cache import HostCache
-from mox.pager.model_pool import ModelPool, PagerShared
+from mox.pager.model_pool import ModelPool
+from mox.pager.paging import PagerShared
 
 
 class ExpertPager:

@@ -32,7 +32,7 @@ class Admission:
         self.max_waiting_per_model = max_waiting_per_model
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
-        self.requests: dict[str, Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._finishes = DecayedRate(FINISH_RATE_WINDOW_S)
 
     def check(self, model: str, waiting: int, total_waiting: int, now: float) -> None:
@@ -50,35 +50,36 @@ class Admission:
         raise AdmissionError(f"{why}; try again later", retry_after_s=retry)
 
     def track(self, request_id: str, model: str, now: float) -> None:
-        self.requests[request_id] = Tracked(model, now)
+        self._requests[request_id] = Tracked(model, now)
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        self._requests.pop(request_id, None)
 
     def on_output(self, request_id: str, finished: bool, now: float) -> str | None:
         """The request produced output; returns its model (None: not tracked)."""
-        tracked = self.requests.get(request_id)
+        tracked = self._requests.get(request_id)
         if tracked is None:
             return None
         tracked.started = True
         if finished:
-            del self.requests[request_id]
+            del self._requests[request_id]
             self._finishes.add(now)
         return tracked.model
 
     def of_model(self, model: str) -> list[str]:
-        return [rid for rid, t in self.requests.items() if t.model == model]
+        return [rid for rid, t in self._requests.items() if t.model == model]
 
     def oldest_arrival(self, model: str) -> float:
-        return min((t.arrival for t in self.requests.values() if t.model == model),
+        return min((t.arrival for t in self._requests.values() if t.model == model),
                    default=math.inf)
 
-    def expired(self, now: float) -> list[str]:
-        """Requests that waited past the queue timeout without output."""
-        return [rid for rid, t in self.requests.items()
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """(request, model) of the requests that waited past the queue timeout without
+        output."""
+        return [(rid, t.model) for rid, t in self._requests.items()
                 if not t.started and now - t.arrival > self.queue_timeout_s]
 
     def next_expiry(self) -> float | None:
         """When the next waiting request times out (None: none waits)."""
-        return min((t.arrival + self.queue_timeout_s for t in self.requests.values()
+        return min((t.arrival + self.queue_timeout_s for t in self._requests.values()
                     if not t.started), default=None)

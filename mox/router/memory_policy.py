@@ -1,9 +1,9 @@
 """Memory policies: how the device budget is divided among the models, one class per `policy=`.
 
-A policy is a pure function of a frozen `MemoryView` (every model with a pool: its state, sizes,
-traffic and expert usage, as the router sees them now) to a `MemoryPlan`: expert slots per
-model, idle models to park and cold models that may start loading. The router builds the view
-and applies the plan; a policy never touches the router, the pager or the clock.
+A policy is made of pure functions of a frozen `MemoryView` (every model with a pool: its
+state, sizes, traffic and expert usage, as the router sees them now). The router builds the
+view and applies what comes back as a `MemoryPlan` (expert slots per model, idle models to
+park, cold models to load); a policy never touches the router, the pager or the clock.
 
 Interface:
     eviction_policy         the pager's expert eviction policy for every model
@@ -11,7 +11,9 @@ Interface:
     pins_models             weights never leave (all-resident): no idle parking
     plans_host_cache        the host cache is shared by request rate
     check_fits(view, name)  refuse, at registration, a model the budget can never run
-    plan(view) -> MemoryPlan
+    admit(view) -> Admitted       cold models with requests that may load now, and the idle
+                                  models parked to make room for them
+    plan_slots(view) -> {model: slots}   for every model in the view, within the budget
 
 `rate` plans from traffic (mox.router.planner); `lru`/`lfu` split the expert budget equally
 with the planner off; `model-swap` is the serverless baseline (whole models in, whole models
@@ -73,10 +75,19 @@ class MemoryView:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    slots: dict[str, int]               # expert slots for every model in the view
+class Admitted:
+    """What admission decided, and the view as it will be once the router applies it."""
+
+    view: MemoryView
     park: tuple[str, ...] = ()          # idle warm models whose weights leave now
     load: tuple[str, ...] = ()          # cold models with requests that start loading now
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    slots: dict[str, int]               # expert slots for every model in the view
+    park: tuple[str, ...] = ()
+    load: tuple[str, ...] = ()
 
 
 class MemoryPolicy:
@@ -100,42 +111,53 @@ class MemoryPolicy:
                            f"device memory to run ({self.minimum_is}, top_k = "
                            f"{model.top_k}); the budget is {budget}")
 
-    def plan(self, view: MemoryView) -> MemoryPlan:
-        """Admit cold models with requests (oldest request first), parking idle ones for room
-        where the policy must, then divide the experts among the models that hold memory."""
+    def admit(self, view: MemoryView) -> Admitted:
+        """Admit cold models with requests, oldest request first, while the policy finds room
+        for them (parking idle models where it must); the rest wait for a busy model to go
+        idle."""
         park, load = [], []
         cold = [m for m in view.models if m.state == ModelState.COLD and m.has_work]
         for model in sorted(cold, key=lambda m: m.oldest_arrival):
-            view, parked, fits = self.make_room(view, model)
-            park += parked
-            if not fits:
-                break                                 # wait for a busy model to go idle
+            room = self.make_room(view, model)
+            view, park = room.view, park + list(room.park)
+            if not room.load:
+                break
             view = view.with_state(model.name, ModelState.LOADING)
             load.append(model.name)
-        return MemoryPlan(self.plan_slots(view), tuple(park), tuple(load))
+        return Admitted(view, tuple(park), tuple(load))
 
-    def make_room(self, view: MemoryView, model: ModelView) -> tuple[MemoryView, list[str], bool]:
+    def make_room(self, view: MemoryView, model: ModelView) -> Admitted:
         """Park idle models (lowest `park_order` first) until `model`'s minimum fits beside
-        the minimums of the models that hold memory. Returns (the view after, the models
-        parked, whether it fits)."""
+        the minimums of the models that hold memory; `load` is (model,) if it then fits."""
         budget, parked = self.budget(view), []
-        if budget is None:
-            return view, parked, True
-        while True:
+        while budget is not None:
             committed = sum(self.minimum_bytes(m) for m in view.holding())
             if committed + self.minimum_bytes(model) <= budget:
-                return view, parked, True
+                break
             idle = [m for m in view.holding() if m.is_idle_warm]
             if not idle:
-                return view, parked, False
+                return Admitted(view, tuple(parked))
             victim = min(idle, key=self.park_order)
             view = view.with_state(victim.name, ModelState.COLD)
             parked.append(victim.name)
+        return Admitted(view, tuple(parked), (model.name,))
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)
 
     def plan_slots(self, view: MemoryView) -> dict[str, int]:
+        """Expert slots for every model in the view; what the models that hold memory then
+        take (dense + slots) stays within the budget."""
+        slots = self.divide(view)
+        budget = self.budget(view)
+        if budget is not None:
+            used = sum(m.dense_nbytes + slots[m.name] * m.expert_nbytes for m in view.holding())
+            assert used <= budget, (used, budget, slots)
+        assert all(slots[m.name] == 0 or min(m.top_k, m.max_slots) <= slots[m.name] <= m.max_slots
+                   for m in view.models), slots
+        return slots
+
+    def divide(self, view: MemoryView) -> dict[str, int]:
         raise NotImplementedError
 
 
@@ -145,7 +167,7 @@ class PlannedMemory(MemoryPolicy):
 
     plans_host_cache = True
 
-    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+    def divide(self, view: MemoryView) -> dict[str, int]:
         holding = view.holding()
         budget = self.budget(view)
         if budget is not None:
@@ -175,15 +197,16 @@ class EqualSplitMemory(MemoryPolicy):
             raise MoxError(f"an equal split of the device budget leaves {share} bytes of "
                            f"experts per model; model {name!r} needs top_k experts")
 
-    def make_room(self, view: MemoryView, model: ModelView) -> tuple[MemoryView, list[str], bool]:
-        return view, [], True                # every model's share is reserved
+    def make_room(self, view: MemoryView, model: ModelView) -> Admitted:
+        return Admitted(view, (), (model.name,))       # every model's share is reserved
 
-    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+    def divide(self, view: MemoryView) -> dict[str, int]:
         share = self.share_bytes(view)
         slots = {}
         for m in view.models:
-            fit = m.max_slots if share is None else share // m.expert_nbytes
-            slots[m.name] = min(m.max_slots, fit) if m.holds_device_memory else 0
+            fit = m.max_slots if share is None else min(m.max_slots, share // m.expert_nbytes)
+            # a share below top_k experts cannot run a step (check_fits refused the model)
+            slots[m.name] = fit if m.holds_device_memory and fit >= m.top_k else 0
         return slots
 
 
@@ -200,7 +223,7 @@ class ModelSwapMemory(MemoryPolicy):
     def park_order(self, model: ModelView) -> tuple:
         return (model.last_active,)
 
-    def plan_slots(self, view: MemoryView) -> dict[str, int]:
+    def divide(self, view: MemoryView) -> dict[str, int]:
         return {m.name: m.max_slots if m.holds_device_memory else 0 for m in view.models}
 
 

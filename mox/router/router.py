@@ -241,8 +241,7 @@ class Router:
     def _expire(self, now: float) -> list[RequestOutput]:
         limit = self.config.queue_timeout_s
         outputs = []
-        for rid in self.admission.expired(now):
-            model = self.admission.requests[rid].model
+        for rid, model in self.admission.expired(now):
             error = RequestTimeoutError(f"request waited more than {limit:g} s for model "
                                         f"{model!r} (state {self.models[model].state.value})")
             outputs += [out for out in [self.abort(rid, error)] if out is not None]
@@ -254,13 +253,14 @@ class Router:
         (parking idle models if it must); otherwise they wait for a busy model to go idle."""
         if any(m.state == ModelState.COLD and self.has_requests(m.name)
                for m in self.models.values()):
-            plan = self.policy.plan(self._view())
-            if plan.load or plan.park:
-                self._apply(plan)
+            admitted = self.policy.admit(self._view())
+            if admitted.load or admitted.park:
+                self._apply(MemoryPlan(self.policy.plan_slots(admitted.view), admitted.park,
+                                       admitted.load))
 
     def _start_load(self, model: ServedModel, whole: bool | None = None) -> None:
-        """Load the model now, outside the policy's admission (all-resident's start-up, the
-        offline LLM's warm-up); `whole`: every expert too (None: as the policy loads)."""
+        """Load the model now, without asking the policy to admit it (all-resident's start-up,
+        the offline LLM's warm-up); `whole`: every expert too (None: as the policy loads)."""
         self._mark_loading(model)
         self.replan()
         whole = self.policy.loads_whole_models if whole is None else whole
@@ -314,7 +314,8 @@ class Router:
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
-        self._apply(self.policy.plan(self._view()))
+        """Every pool's slots from the policy (admission is `_try_start_loads`'s)."""
+        self._apply(MemoryPlan(self.policy.plan_slots(self._view())))
 
     def _apply(self, plan: MemoryPlan) -> None:
         """Parks, then the slots of every pool (the plan counts the loads' dense bytes), then
@@ -335,11 +336,13 @@ class Router:
         """The frozen view the memory policy plans from: every model with a pool."""
         now = self.clock()
         return MemoryView(self.config.device_memory, tuple(
-            ModelView(m.name, m.state, m.dense_nbytes, m.pool.expert_nbytes, m.pool.top_k,
-                      m.pool.max_slots, m.pool.num_slots, self.has_requests(m.name),
-                      m.traffic.request_rate(now), m.last_active,
-                      self.admission.oldest_arrival(m.name), m.pool.usage.probabilities(now),
-                      m.pool.resized_ago())
+            ModelView(name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
+                      expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k,
+                      max_slots=m.pool.max_slots, num_slots=m.pool.num_slots,
+                      has_work=self.has_requests(m.name),
+                      request_rate=m.traffic.request_rate(now), last_active=m.last_active,
+                      oldest_arrival=self.admission.oldest_arrival(m.name),
+                      usage=m.pool.expert_usage(), resized_ago_s=m.pool.resized_ago())
             for m in self.models.values() if m.pool is not None))
 
     # ---- reporting ---------------------------------------------------------------------

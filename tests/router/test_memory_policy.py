@@ -7,7 +7,7 @@ import pytest
 
 from mox.errors import MoxError
 from mox.messages import ModelState
-from mox.router.memory_policy import MemoryView, ModelView, make_memory_policy
+from mox.router.memory_policy import MemoryPlan, MemoryView, ModelView, make_memory_policy
 
 DENSE, EXPERT, TOP_K, LAYERS, EXPERTS = 1000, 100, 2, 2, 8
 ALL = LAYERS * EXPERTS                      # every expert of a model: 16 slots
@@ -25,6 +25,14 @@ def view(budget: int | None, *models: ModelView) -> MemoryView:
     return MemoryView(budget, models)
 
 
+def admit_and_plan(policy: str, v: MemoryView) -> MemoryPlan:
+    """What the router applies while cold models wait: admission, then the slots of the view
+    as admission leaves it."""
+    memory = make_memory_policy(policy)
+    admitted = memory.admit(v)
+    return MemoryPlan(memory.plan_slots(admitted.view), admitted.park, admitted.load)
+
+
 def plan_bytes(plan, v: MemoryView) -> int:
     """Device bytes the plan holds: dense weights of the models that hold memory after it
     (warm or loading, minus the parked, plus the loads) and every slot."""
@@ -39,7 +47,7 @@ def test_rate_admits_a_cold_model_by_parking_the_least_requested_idle_one():
              model("idle-busier", rate=0.5, slots=2, last_active=1.0),
              model("idle-quiet", rate=0.1, slots=2, last_active=5.0),
              model("cold", ModelState.COLD, busy=True, arrival=3.0))
-    plan = make_memory_policy("rate").plan(v)
+    plan = admit_and_plan("rate", v)
     # two dense models fit beside "hot" only after both idle ones leave: the quiet one first
     assert plan.park == ("idle-quiet", "idle-busier") and plan.load == ("cold",)
     assert plan.slots["idle-quiet"] == plan.slots["idle-busier"] == 0
@@ -47,13 +55,14 @@ def test_rate_admits_a_cold_model_by_parking_the_least_requested_idle_one():
     assert plan_bytes(plan, v) <= v.budget_bytes
 
 
-def test_a_cold_model_waits_while_only_busy_models_hold_the_memory():
-    v = view(2 * DENSE + 8 * EXPERT,
-             model("a", busy=True, rate=1.0, slots=4), model("b", busy=True, rate=1.0, slots=4),
+@pytest.mark.parametrize("policy, held", [("rate", 4), ("model-swap", ALL)])
+def test_a_cold_model_waits_while_only_busy_models_hold_the_memory(policy, held):
+    v = view(2 * (DENSE + held * EXPERT),
+             model("a", busy=True, rate=1.0, slots=held),
+             model("b", busy=True, rate=1.0, slots=held),
              model("cold", ModelState.COLD, busy=True, arrival=1.0))
-    for policy in ("rate", "model-swap"):
-        plan = make_memory_policy(policy).plan(v)
-        assert plan.load == () and plan.park == () and plan.slots["cold"] == 0
+    result = admit_and_plan(policy, v)
+    assert result.load == () and result.park == () and result.slots["cold"] == 0
 
 
 def test_cold_models_are_admitted_oldest_request_first():
@@ -61,7 +70,7 @@ def test_cold_models_are_admitted_oldest_request_first():
              model("late", ModelState.COLD, busy=True, arrival=9.0),
              model("early", ModelState.COLD, busy=True, arrival=1.0),
              model("idle-cold", ModelState.COLD))
-    plan = make_memory_policy("rate").plan(v)
+    plan = admit_and_plan("rate", v)
     assert plan.load == ("early", "late") and plan.slots["idle-cold"] == 0
     assert plan_bytes(plan, v) <= v.budget_bytes
 
@@ -71,7 +80,7 @@ def test_model_swap_loads_whole_models_and_parks_the_least_recently_used():
              model("recent", rate=0.0, last_active=9.0, slots=ALL),
              model("old", rate=5.0, last_active=1.0, slots=ALL),
              model("cold", ModelState.COLD, busy=True, arrival=10.0))
-    plan = make_memory_policy("model-swap").plan(v)
+    plan = admit_and_plan("model-swap", v)
     assert plan.park == ("old",) and plan.load == ("cold",)         # LRU, whatever the rate
     assert plan.slots == {"recent": ALL, "old": 0, "cold": ALL}
 
@@ -79,16 +88,15 @@ def test_model_swap_loads_whole_models_and_parks_the_least_recently_used():
 def test_equal_split_gives_every_model_the_same_share_and_parks_nothing():
     v = view(3 * DENSE + 15 * EXPERT, model("a", busy=True), model("b"),
              model("cold", ModelState.COLD, busy=True, arrival=1.0))
-    plan = make_memory_policy("lru").plan(v)
+    plan = admit_and_plan("lru", v)
     assert plan.park == () and plan.load == ("cold",)
     assert plan.slots == {"a": 5, "b": 5, "cold": 5}
 
 
 def test_all_resident_ignores_the_budget():
     v = view(1, model("a"), model("b", ModelState.COLD))
-    policy = make_memory_policy("all-resident")
-    policy.check_fits(v, "a")
-    assert policy.plan(v).slots == {"a": ALL, "b": 0}
+    make_memory_policy("all-resident").check_fits(v, "a")
+    assert admit_and_plan("all-resident", v).slots == {"a": ALL, "b": 0}
 
 
 @pytest.mark.parametrize("policy, budget, match", [

@@ -93,7 +93,8 @@ def test_disconnect_aborts_the_request_and_frees_its_kv(live, router_backend, st
             received += sock.recv(4096)
     else:
         assert wait_until(lambda: engine.num_live == 1)
-    assert engine.kv_pool.used_bytes > kv_before
+    # live from its arrival; its KV blocks come with its first step
+    assert wait_until(lambda: engine.kv_pool.used_bytes > kv_before)
     sock.close()
     assert wait_until(lambda: engine.num_live == 0 and engine.kv_pool.used_bytes == kv_before,
                       ABORT_WAIT_S)
