@@ -61,6 +61,10 @@ class IOPool:
         self._queue.put(_Task(priority, next(self._seq), fn, args, future))
         return future
 
+    def num_queued(self) -> int:
+        """Calls waiting for a thread (approximate: others may take some meanwhile)."""
+        return self._queue.qsize()
+
     def _work(self) -> None:
         use_one_thread()                    # see loaders/threads.py
         while (task := self._queue.get()).priority != _STOP:
@@ -121,6 +125,9 @@ class StreamingReader:
     def submit(self, ranges: Sequence[ByteRange], outs: Sequence[torch.Tensor],
                priority: int = DEMAND) -> Future:
         return self._pool.submit(self.read_into, ranges, outs, priority=priority)
+
+    def num_queued(self) -> int:
+        return self._pool.num_queued()
 
     def submit_call(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
         """Run `fn(*args)` on an I/O thread (a load that reads, then copies and commits)."""

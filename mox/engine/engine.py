@@ -8,6 +8,7 @@ once the router hands it its loaded weights (`set_weights`), and its requests wa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -40,6 +41,17 @@ class _Model:
     runner: ModelRunner | None = None          # None until the weights are loaded
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """The batch a step runs: for the router's timeline and its watchdog."""
+
+    model: str
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int        # tokens of sequences still in their prompt
+    started: float                 # time.monotonic()
+
+
 @dataclass
 class _Live:
     seq: Sequence
@@ -57,6 +69,9 @@ class Engine:
         self.models: dict[str, _Model] = {}
         self._live: dict[str, _Live] = {}
         self._errors: dict[str, MoxError] = {}     # why a request aborted; its owner takes it
+        # the batch of the step in progress (read from other threads), and of the last one
+        self.current_step: StepInfo | None = None
+        self.last_step: StepInfo | None = None
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -154,8 +169,13 @@ class Engine:
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
                    for s in self.scheduler.out_of_kv]
         self.scheduler.out_of_kv.clear()
+        self.last_step = None
         if batch is None:
             return outputs
+        self.current_step = StepInfo(
+            batch.model, len(batch.sequences), batch.num_tokens,
+            sum(s.num_new_tokens for s in batch.sequences
+                if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), time.monotonic())
         try:
             sampled = self.models[batch.model].runner.run(batch)
         except MoxError as e:          # e.g. a checkpoint file lost while serving
@@ -163,6 +183,8 @@ class Engine:
                 self._errors[item.seq.request_id] = e
             return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
                                            [], "", error=str(e)) for item in batch.sequences]
+        finally:
+            self.last_step, self.current_step = self.current_step, None
         return outputs + [self._advance(self._live[s.seq.request_id], s) for s in sampled]
 
     def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:

@@ -71,6 +71,12 @@ class ModelPool(PagedPool):
         with self._lock:
             return self.usage.probabilities(self.clock())
 
+    def step_figures(self) -> tuple[float, int, int, int]:
+        """(stall seconds, misses, waves, bytes read) so far: a step's are the difference."""
+        with self._lock:
+            c = self.counters
+            return (c.stall_seconds, c.misses, c.waves, c.bytes_read_disk + c.bytes_read_host)
+
     def resized_ago(self) -> float:
         """Seconds since the model's slot count last changed."""
         return self.clock() - self._resized_at
@@ -113,7 +119,11 @@ class ModelPool(PagedPool):
             with self._lock:
                 missing += gone
                 while missing and not ready and not self._has_room():
+                    self.waiting_on = (f"a slot for {len(missing)} experts of MoE layer "
+                                       f"{moe_layer}: all {self.slot_pool.num_slots} are "
+                                       "pinned or loading")
                     self._changed.wait()
+                self.waiting_on = None
                 # the next group loads while the caller computes `ready`
                 pending = self._start_loads(moe_layer, missing, prefetched=False)
                 missing = missing[len(pending):]
@@ -211,9 +221,14 @@ class ModelPool(PagedPool):
         with self._lock:
             futures = [self._inflight.get((moe_layer, e)) for e in pending]
         start = time.perf_counter()
-        for future in futures:
-            if future is not None:
-                future.result()                   # a load error propagates to this step
+        self.waiting_on = (f"reads of {len(pending)} experts of MoE layer {moe_layer} "
+                           f"({self.loader.reader.num_queued()} reads queued on the I/O threads)")
+        try:
+            for future in futures:
+                if future is not None:
+                    future.result()               # a load error propagates to this step
+        finally:
+            self.waiting_on = None
         ready, gone = [], []
         with self._lock:
             self.counters.stall_seconds += time.perf_counter() - start

@@ -66,6 +66,7 @@ class PagedPool:
         self.counters = PagerStats()
         self._inflight: dict[ExpertKey, Future] = {}
         self._resized_at = -math.inf          # when `resize` last changed the slot count
+        self.waiting_on: str | None = None    # what a step waits for now (the watchdog reads)
 
     @property
     def loader(self) -> ExpertLoader:

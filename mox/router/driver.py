@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mox.messages import Request, RequestOutput
+from mox.router.timeline import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Driver(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def seconds_until_due(self) -> float | None: ...
     def take_error(self, request_id: str) -> BaseException | None: ...
+    def step_in_progress(self) -> tuple[float, str] | None: ...
 
 
 @dataclass
@@ -51,6 +53,7 @@ class AsyncEngine:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="mox-engine", daemon=True)
         self._thread.start()
+        self.watchdog = Watchdog(driver.step_in_progress)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -82,6 +85,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join()
+        self.watchdog.stop()
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mox.engine.engine import Engine
+from mox.engine.engine import Engine, StepInfo
 from mox.engine.scheduler import SchedulerConfig
 from mox.errors import (
     InvalidRequestError,
@@ -60,6 +60,7 @@ from mox.router.served_model import (
     resolve_device,
     resolve_dtype,
 )
+from mox.router.timeline import StepRecord, Timeline
 
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
 
@@ -81,6 +82,7 @@ class RouterConfig:
     max_waiting: int = 1024
     queue_timeout_s: float = 120.0
     compute_threads: int | None = None    # torch intra-op threads for steps (None: all)
+    step_log: str | None = None           # append each step's record here (JSON lines)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTER_POLICIES:
@@ -107,6 +109,8 @@ class Router:
         self.residency = Residency(self.models, self.pager.loader.host_cache, clock)
         self.admission = Admission(config.max_waiting_per_model, config.max_waiting,
                                    config.queue_timeout_s)
+        self.timeline = Timeline(open(config.step_log, "a", encoding="utf-8")
+                                 if config.step_log else None)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
         self._next_plan = -math.inf
@@ -214,9 +218,38 @@ class Router:
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
+        before = {name: m.pool.step_figures() for name, m in self.models.items()
+                  if m.holds_device_memory}
         stepped = self.engine.step()
+        self._record(self.engine.last_step, before)
         self._account(stepped)
         return outputs + stepped
+
+    def _record(self, step: StepInfo | None, before: dict[str, tuple]) -> None:
+        """The step's line in the timeline: its batch, and its model's pager figures since
+        just before it."""
+        if step is None:
+            return
+        model = self.models[step.model]
+        stall, misses, waves, nbytes = (now - then for now, then in
+                                        zip(model.pool.step_figures(), before[step.model]))
+        self.timeline.add(StepRecord(
+            step.started, step.model, step.num_seqs, step.num_tokens, step.num_prefill_tokens,
+            time.monotonic() - step.started, stall, misses, waves, nbytes,
+            sum(self.has_requests(n) for n in self.models if n != step.model)))
+
+    def step_in_progress(self) -> tuple[float, str] | None:
+        """(seconds, what) of the step running now, or None; safe from any thread (the
+        watchdog's)."""
+        step = self.engine.current_step
+        if step is None:
+            return None
+        model = self.models.get(step.model)
+        waiting = None if model is None or model.pool is None else model.pool.waiting_on
+        return (time.monotonic() - step.started,
+                f"model {step.model!r}, {step.num_seqs} sequences, {step.num_tokens} tokens "
+                f"({step.num_prefill_tokens} prefill); "
+                f"{'waiting for ' + waiting if waiting else 'computing'}")
 
     def seconds_until_due(self) -> float | None:
         """When `step()` next has timed work (a plan, a timeout, an idle park); None: never
@@ -374,3 +407,4 @@ class Router:
 
     def shutdown(self) -> None:
         self._loader.shutdown()
+        self.timeline.close()

@@ -1,0 +1,93 @@
+"""What each step did, and a watchdog for steps that take too long.
+
+Every router step that runs a batch leaves a `StepRecord`: when it started, which model
+stepped, how many sequences and tokens (prefill and decode), how long it took, and what it
+waited on in the pager (seconds stalled on expert reads, misses, waves, bytes read). The last
+`TIMELINE_LENGTH` records stay in memory (`Timeline.records`, the router snapshot's
+`last_steps`), and `mox serve --step-log FILE` appends each as a JSON line.
+
+The `Watchdog` thread looks at the step in progress once a second; a step running longer than
+`threshold_s` is logged (WARNING) with its model, batch, and what the model's pool is waiting
+on at that moment (reads in flight or a free slot), again each time its duration doubles.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import IO
+
+import msgspec
+
+log = logging.getLogger("mox.steps")
+
+# Records kept in memory: a few minutes of steps at tens of steps a second.
+TIMELINE_LENGTH = 4096
+# A step running this long is reported: healthy steps take tens to hundreds of ms, and a cold
+# model's first prefill (reading its routed experts) about a second on this class of machine.
+WATCHDOG_THRESHOLD_S = 5.0
+WATCHDOG_PERIOD_S = 1.0
+
+
+class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
+    start: float                    # the router's clock (monotonic seconds)
+    model: str
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int         # tokens of sequences still in their prompt
+    seconds: float
+    stall_seconds: float = 0.0      # waiting for expert reads to land
+    misses: int = 0
+    waves: int = 0
+    bytes_read: int = 0
+    num_waiting_models: int = 0     # other models with requests while this one stepped
+
+
+class Timeline:
+    def __init__(self, sink: IO[str] | None = None, length: int = TIMELINE_LENGTH) -> None:
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=length)
+        self._sink = sink
+        self._encoder = msgspec.json.Encoder()
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+        if self._sink is not None:
+            self._sink.write(self._encoder.encode(record).decode() + "\n")
+            self._sink.flush()
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+
+class Watchdog:
+    """`current()` returns (seconds the step in progress has run, what it is doing), or None
+    between steps; it is called from the watchdog's thread and must be safe there."""
+
+    def __init__(self, current: Callable[[], tuple[float, str] | None],
+                 threshold_s: float = WATCHDOG_THRESHOLD_S,
+                 period_s: float = WATCHDOG_PERIOD_S) -> None:
+        self.current, self.threshold_s, self.period_s = current, threshold_s, period_s
+        self.reports = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mox-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_report = self.threshold_s
+        while not self._stop.wait(self.period_s):
+            state = self.current()
+            if state is None or state[0] < self.threshold_s:
+                next_report = self.threshold_s
+                continue
+            elapsed, doing = state
+            if elapsed >= next_report:
+                self.reports += 1
+                log.warning("step running for %.1f s: %s", elapsed, doing)
+                next_report = 2 * elapsed
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
