@@ -50,6 +50,7 @@ class StepInfo:
     num_tokens: int
     num_prefill_tokens: int        # tokens of sequences still in their prompt
     started: float                 # time.monotonic()
+    started_cpu: float             # time.thread_time() of the stepping thread
 
 
 @dataclass
@@ -175,7 +176,8 @@ class Engine:
         self.current_step = StepInfo(
             batch.model, len(batch.sequences), batch.num_tokens,
             sum(s.num_new_tokens for s in batch.sequences
-                if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), time.monotonic())
+                if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), time.monotonic(),
+            time.thread_time())
         try:
             sampled = self.models[batch.model].runner.run(batch)
         except MoxError as e:          # e.g. a checkpoint file lost while serving

@@ -235,7 +235,8 @@ class Router:
                                         zip(model.pool.step_figures(), before[step.model]))
         self.timeline.add(StepRecord(
             step.started, step.model, step.num_seqs, step.num_tokens, step.num_prefill_tokens,
-            time.monotonic() - step.started, stall, misses, waves, nbytes,
+            time.monotonic() - step.started, time.thread_time() - step.started_cpu, stall,
+            misses, waves, nbytes,
             sum(self.has_requests(n) for n in self.models if n != step.model)))
 
     def step_in_progress(self) -> tuple[float, str] | None:

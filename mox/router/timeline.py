@@ -38,6 +38,8 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     num_tokens: int
     num_prefill_tokens: int         # tokens of sequences still in their prompt
     seconds: float
+    cpu_seconds: float = 0.0        # the engine thread's CPU time: far below `seconds` when
+                                    # it was descheduled (other processes, a noisy host)
     stall_seconds: float = 0.0      # waiting for expert reads to land
     misses: int = 0
     waves: int = 0
