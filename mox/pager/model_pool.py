@@ -49,10 +49,17 @@ class Lease:
     b2: torch.Tensor | None = None       # [S, H]
 
 
+@dataclass(frozen=True)
+class PoolDemand:
+    hit_rates: np.ndarray              # [N + 1] H(S): LRU hit rate of recent accesses at S slots
+    access_rate: float                 # (layer, expert) accesses per second, recently
+    read_bytes_per_s: float | None     # what this pool's expert reads achieved (None: none yet)
+
+
 class ModelPool(PagedPool):
     """Thread-safe: every method takes the pager's lock for what it touches. The decoder
     calls `waves`/`prefetch` from the step thread, the router `resize`/`prefetch_popular`/
-    `stats`/`expert_usage` from the same thread between steps, and loads land from the I/O
+    `stats`/`demand` from the same thread between steps, and loads land from the I/O
     threads."""
 
     # ---- budget ------------------------------------------------------------------------
@@ -66,10 +73,14 @@ class ModelPool(PagedPool):
             self.slot_pool.target_slots = slots
             self._drain()
 
-    def expert_usage(self) -> np.ndarray:
-        """`[L, E]` P(a step uses the expert) now, as the planner values slots."""
+    def demand(self) -> PoolDemand:
+        """What the planner values this pool's slots by, read under the lock."""
         with self._lock:
-            return self.usage.probabilities(self.clock())
+            c = self.counters
+            bandwidth = ((c.bytes_read_disk + c.bytes_read_host) / c.read_seconds
+                         if c.read_seconds > 0 else None)
+            return PoolDemand(self.miss_curve.hit_rates(),
+                              self.miss_curve.access_rate(self.clock()), bandwidth)
 
     def step_figures(self) -> tuple[float, int, int, int]:
         """(stall seconds, misses, waves, bytes read) so far: a step's are the difference."""
@@ -101,7 +112,9 @@ class ModelPool(PagedPool):
         with self._lock:
             if self.slot_pool.target_slots == 0:
                 raise MoxError(f"model {self.name!r} has no expert memory (it is parked)")
-            self.usage.record(moe_layer, wanted, self.clock())
+            now = self.clock()
+            self.usage.record(moe_layer, wanted, now)
+            self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
             self._settle_prefetches(moe_layer, set(wanted))
             ready, pending, missing = self._classify(moe_layer, wanted)
             started = self._start_loads(moe_layer, missing, prefetched=False)

@@ -28,7 +28,7 @@ from mox.pager.eviction import ExpertKey, make_policy
 from mox.pager.expert_loader import ExpertLoader, LoadResult
 from mox.pager.slot_pool import SlotPool
 from mox.pager.stats import PagerStats
-from mox.pager.usage import ExpertUsage
+from mox.pager.usage import ExpertUsage, MissRatioCurve
 
 
 @dataclass
@@ -61,7 +61,9 @@ class PagedPool:
                                   spec.moe_intermediate_size, dtype, device,
                                   self._valid_num_slots(num_slots), spec.expert_bias)
         self.policy = make_policy(policy)
+        self.num_experts = spec.num_experts
         self.usage = ExpertUsage(len(self.moe_layers), spec.num_experts, spec.top_k)
+        self.miss_curve = MissRatioCurve(self.max_slots)
         self.workspace = MoEWorkspace()
         self.counters = PagerStats()
         self._inflight: dict[ExpertKey, Future] = {}

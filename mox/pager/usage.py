@@ -1,12 +1,16 @@
-"""Per-expert activation frequencies of one model, which the planner values slots by: every
-MoE layer step records the experts it used, in O(k), with exponential decay and lazy updates
-(nothing runs between events).
+"""What one model's expert accesses say about its memory needs, recorded by every MoE layer
+step with exponential decay and lazy updates (nothing runs between events):
 
-Legend: L MoE layers, E experts per layer.
+- `ExpertUsage`: P(a step of layer l uses expert e): which experts are popular (prefetch).
+- `MissRatioCurve`: the hit rate an LRU pool of every size would get on the recent accesses,
+  from LRU stack distances: what each slot is worth to the planner.
+
+Legend: L MoE layers, E experts per layer, N = L * E (every key a slot can hold).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -20,36 +24,91 @@ USAGE_PRIOR_STEPS = 1.0
 _MAX_LOG2_WEIGHT = 600.0
 
 
-class ExpertUsage:
-    """P(a step of layer l uses expert e), decayed with a half-life. Counts are kept in
-    growing units (an event at time t weighs 2^(t / half-life)), so the ratio count / steps
-    is the decayed frequency with no per-event decay pass over the table."""
+class GrowingWeights:
+    """Exponential decay in growing units: an event at time t weighs 2^(t / half-life), so sums
+    of weights are decayed counts (divide by `weight(now)`) with no per-event decay pass. The
+    arrays it is given are rescaled in place before the weights overflow float64."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int,
-                 half_life_s: float = USAGE_HALF_LIFE_S) -> None:
-        self.top_k, self.half_life_s = top_k, half_life_s
-        self.counts = np.zeros((num_layers, num_experts))                # [L, E]
-        self.steps = np.zeros(num_layers)                                # [L]
+    def __init__(self, half_life_s: float, *arrays: np.ndarray) -> None:
+        self.half_life_s = half_life_s
+        self._arrays = arrays
         self._origin: float | None = None
 
-    def record(self, moe_layer: int, experts: Iterable[int], now: float) -> None:
-        weight = self._weight(now)
-        self.counts[moe_layer, list(experts)] += weight
-        self.steps[moe_layer] += weight
-
-    def _weight(self, now: float) -> float:
+    def weight(self, now: float) -> float:
         if self._origin is None:
             self._origin = now
         log2 = (now - self._origin) / self.half_life_s
         if log2 > _MAX_LOG2_WEIGHT:                   # rebase: divide everything by 2^log2
-            self.counts *= 2.0 ** -log2
-            self.steps *= 2.0 ** -log2
+            for array in self._arrays:
+                array *= 2.0 ** -log2
             self._origin, log2 = now, 0.0
         return 2.0 ** log2
+
+    @property
+    def time_constant_s(self) -> float:
+        """A decayed count / this = events per second."""
+        return self.half_life_s / math.log(2.0)
+
+
+class ExpertUsage:
+    """P(a step of layer l uses expert e), decayed with a half-life."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int,
+                 half_life_s: float = USAGE_HALF_LIFE_S) -> None:
+        self.top_k = top_k
+        self.counts = np.zeros((num_layers, num_experts))                # [L, E]
+        self.steps = np.zeros(num_layers)                                # [L]
+        self._decay = GrowingWeights(half_life_s, self.counts, self.steps)
+
+    def record(self, moe_layer: int, experts: Iterable[int], now: float) -> None:
+        weight = self._decay.weight(now)
+        self.counts[moe_layer, list(experts)] += weight
+        self.steps[moe_layer] += weight
 
     def probabilities(self, now: float) -> np.ndarray:
         """`[L, E]`, smoothed toward the uniform k/E by `USAGE_PRIOR_STEPS` steps of now."""
         num_experts = self.counts.shape[1]
-        prior = USAGE_PRIOR_STEPS * self._weight(now)
+        prior = USAGE_PRIOR_STEPS * self._decay.weight(now)
         uniform = self.top_k / num_experts
         return (self.counts + prior * uniform) / (self.steps[:, None] + prior)
+
+
+class MissRatioCurve:
+    """Hit rate at every pool size from LRU stack distances of (layer, expert) keys.
+
+    An access's stack distance is the number of distinct keys used since its key's last use,
+    itself included: an LRU pool of S slots hits it iff distance <= S. The experts of one layer
+    step are looked up together, then become most recent in the order given, as an LRU pool
+    would see them. Each record costs a sort of N last-use times: exact, and N is a few
+    thousand at most, so no sampling is needed. Counts decay with a half-life, so the curve
+    follows phase changes."""
+
+    def __init__(self, num_keys: int, half_life_s: float = USAGE_HALF_LIFE_S) -> None:
+        self.last_use = np.full(num_keys, -np.inf)                       # [N]
+        # [N + 1] decayed accesses by distance d = 1..N at d - 1; [N]: first uses (cold)
+        self.counts = np.zeros(num_keys + 1)
+        self._tick = 0
+        self._decay = GrowingWeights(half_life_s, self.counts)
+
+    def record(self, keys: np.ndarray, now: float) -> None:
+        """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step."""
+        last = self.last_use[keys]
+        seen = np.isfinite(last)
+        order = np.sort(self.last_use)
+        distance = len(order) - np.searchsorted(order, last[seen], side="left")
+        weight = self._decay.weight(now)
+        np.add.at(self.counts, distance - 1, weight)
+        self.counts[-1] += weight * int((~seen).sum())
+        self.last_use[keys] = self._tick + np.arange(len(keys))
+        self._tick += len(keys)
+
+    def hit_rates(self) -> np.ndarray:
+        """`[N + 1]`: H(S), the share of recent accesses an LRU pool of S slots would hit
+        (0 with no history)."""
+        total = self.counts.sum()
+        hits = np.concatenate([[0.0], np.cumsum(self.counts[:-1])])
+        return hits / total if total > 0 else hits
+
+    def access_rate(self, now: float) -> float:
+        """Recent (layer, expert) accesses per second."""
+        return self.counts.sum() / self._decay.weight(now) / self._decay.time_constant_s

@@ -32,6 +32,13 @@ from mox.errors import MoxError
 from mox.messages import ModelState
 from mox.router.planner import ModelDemand, plan_slots, settle
 
+# A miss's read when none has been measured yet: a cold NVMe-class read (DESIGN.md's machine
+# facts: 1.5-2.5 GB/s sequential), the pessimistic end.
+DEFAULT_READ_BYTES_PER_S = 1.5e9
+# What a miss adds beyond its bytes: an I/O thread's hand-off and a wave boundary in the step
+# (~0.1-0.3 ms on this machine's 2 cores).
+MISS_OVERHEAD_S = 2e-4
+
 
 @dataclass(frozen=True)
 class ModelView:
@@ -48,8 +55,19 @@ class ModelView:
     request_rate: float             # requests per second (the planner's value)
     last_active: float              # last step or arrival
     oldest_arrival: float = math.inf        # of its tracked requests
-    usage: np.ndarray | None = None         # [L, E] P(a step uses the expert)
+    num_layers: int = 1                     # MoE layers (the working set is top_k per layer)
+    hit_rates: np.ndarray | None = None     # [N + 1] H(S) of its pool's recent accesses
+    accesses_per_request: float = 0.0       # (layer, expert) accesses one request makes
+    read_bytes_per_s: float | None = None   # what its expert reads achieved (None: none yet)
     resized_ago_s: float = math.inf         # since its pool's size last changed
+    priority: float = 1.0                   # the operator's weight on its value
+    pinned: bool = False                    # the operator's: every expert, while registered
+
+    @property
+    def miss_cost_s(self) -> float:
+        """What one miss costs: reading the expert, plus its share of a step's stall."""
+        bandwidth = self.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
+        return self.expert_nbytes / bandwidth + MISS_OVERHEAD_S
 
     @property
     def holds_device_memory(self) -> bool:
@@ -172,8 +190,10 @@ class PlannedMemory(MemoryPolicy):
         budget = self.budget(view)
         if budget is not None:
             budget -= sum(m.dense_nbytes for m in holding)
-        demands = [ModelDemand(m.name, m.request_rate, m.has_work, m.usage, m.expert_nbytes,
-                               m.top_k, m.num_slots, m.resized_ago_s) for m in holding]
+        demands = [ModelDemand(m.name, m.request_rate, m.has_work, _hit_rates(m),
+                               m.accesses_per_request, m.miss_cost_s, m.expert_nbytes, m.top_k,
+                               m.num_layers, m.num_slots, m.resized_ago_s, m.priority,
+                               m.pinned) for m in holding]
         slots = settle(plan_slots(demands, budget), demands)
         return {m.name: slots.get(m.name, 0) for m in view.models}
 
@@ -246,6 +266,13 @@ def make_memory_policy(name: str) -> MemoryPolicy:
     if name == "all-resident":
         return AllResidentMemory()
     raise ValueError(f"unknown memory policy {name!r}")
+
+
+def _hit_rates(model: ModelView) -> np.ndarray:
+    """The model's curve, or none yet (no slot saves anything known)."""
+    if model.hit_rates is None:
+        return np.zeros(model.max_slots + 1)
+    return model.hit_rates
 
 
 def _find(view: MemoryView, name: str) -> ModelView:

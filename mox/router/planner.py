@@ -1,20 +1,26 @@
 """The memory planner: how many expert slots each model gets out of one device budget.
 
 Design note.
-- A slot is worth what it saves: (model's request rate) x (probability that a step uses the
-  expert it would hold) per byte. Each model's experts are ranked by usage, so its n-th slot
-  is worth its n-th most used expert; all models' slots are filled greedily by value.
-- A model with queued or running requests first gets its working set: one token's experts
-  in every MoE layer (top_k x layers), or just top_k, the least a step can run on (in
-  waves), when the working sets of every busy model do not fit together.
+- A slot is worth the miss cost it saves per second. Each model's pool learns its miss-ratio
+  curve online (mox.pager.usage.MissRatioCurve: H(S), the hit rate an LRU pool of S slots would
+  get on its recent accesses), so its S-th slot saves
+      request rate x accesses per request x (H(S) - H(S-1)) x miss cost (seconds)
+  per second, times the operator's priority. Slots go to the highest value per byte first.
+  A curve with a cliff (a scan: nothing hits until everything fits) is planned on its upper
+  concave hull in indivisible blocks, so the planner gives such a model all of the cliff or
+  none of it; whole residency of a hot model and nothing for an idle one fall out of this.
+- Floors first: a pinned model holds every expert; a model with queued or running requests
+  gets its working set (one token's experts in every MoE layer: top_k x layers), or just
+  top_k, the least a step can run on (in waves), when the busy models' working sets do not
+  fit together.
 - Hysteresis: slots a model holds now count `HYSTERESIS` more, so a small wobble in the
   rates does not move slots back and forth (each move costs a disk read).
-- Leftover budget goes to models' next most used experts even at zero rate: memory that
-  nobody wants is better spent keeping what is loaded.
+- Leftover budget goes to models' next slots even at zero value: memory that nobody wants is
+  better spent keeping what is loaded.
 The planner is a pure function of its inputs: the router applies the plan through the
-pager, which evicts only unleased experts.
+pools, which evict only unleased experts.
 
-Legend: L MoE layers, E experts per layer.
+Legend: N expert slots a model can use (MoE layers x experts).
 """
 
 from __future__ import annotations
@@ -43,19 +49,30 @@ class ModelDemand:
     name: str
     request_rate: float            # requests per second
     has_work: bool                 # queued or running requests
-    usage: np.ndarray              # [L, E] P(a step uses the expert)
+    hit_rates: np.ndarray          # [N + 1] H(S): the LRU hit rate at S slots
+    accesses_per_request: float    # (layer, expert) accesses one request makes
+    miss_cost_s: float             # seconds one miss costs (the read, and the stall on a step)
     expert_nbytes: int
     top_k: int
+    num_layers: int                # MoE layers
     current_slots: int = 0
     resized_ago_s: float = float("inf")    # since the pool's size last changed
+    priority: float = 1.0          # the operator's weight on this model's value
+    pinned: bool = False           # the operator's: every expert, always
 
     @property
     def max_slots(self) -> int:
-        return self.usage.size
+        return len(self.hit_rates) - 1
 
     @property
     def working_set(self) -> int:
-        return min(self.max_slots, self.top_k * self.usage.shape[0])
+        return min(self.max_slots, self.top_k * self.num_layers)
+
+    @property
+    def value_scale(self) -> float:
+        """Seconds saved per second per unit of hit rate."""
+        return (self.priority * self.request_rate * self.accesses_per_request
+                * self.miss_cost_s)
 
 
 @dataclass(frozen=True)
@@ -72,10 +89,20 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
         return Plan({d.name: d.max_slots for d in demands}, None)
     slots = _floors(demands, budget_bytes)
     left = budget_bytes - sum(slots[d.name] * d.expert_nbytes for d in demands)
-    for name, nbytes in _ranked_slots(demands, slots):
-        if nbytes <= left:
-            slots[name] += 1
-            left -= nbytes
+    skipped: dict[str, int] = {}          # model -> slots of its first block that did not fit
+    for name, count, nbytes in _ranked_blocks(demands, slots):
+        if name in skipped:
+            continue                      # a model's blocks are taken in order
+        if count * nbytes <= left:
+            slots[name] += count
+            left -= count * nbytes
+        else:
+            skipped[name] = count
+    for name, count in skipped.items():   # leftovers: part of a block beats idle memory
+        nbytes = next(d.expert_nbytes for d in demands if d.name == name)
+        take = min(count, left // nbytes)
+        slots[name] += take
+        left -= take * nbytes
     by_name = {d.name: d for d in demands}
     for name, n in slots.items():          # fewer than top_k slots cannot run a step
         slots[name] = n if n >= min(by_name[name].top_k, by_name[name].max_slots) else 0
@@ -117,28 +144,58 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
 
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
-    """Working sets of the busy models if they fit together, else top_k each."""
-    busy = [d for d in demands if d.has_work]
-    floors = {d.name: d.working_set for d in busy}
-    if sum(floors[d.name] * d.expert_nbytes for d in busy) > budget_bytes:
-        floors = {d.name: min(d.top_k, d.max_slots) for d in busy}
-    assert sum(floors[d.name] * d.expert_nbytes for d in busy) <= budget_bytes, (
-        "the budget holds fewer than top_k experts of every busy model; the router checks this")
+    """Pinned models whole; then the working sets of the busy models if they fit beside
+    them, else top_k each."""
+    floors = {d.name: d.max_slots for d in demands if d.pinned}
+    busy = [d for d in demands if d.has_work and not d.pinned]
+    working = {d.name: d.working_set for d in busy}
+    if _nbytes(floors | working, demands) > budget_bytes:
+        working = {d.name: min(d.top_k, d.max_slots) for d in busy}
+    floors |= working
+    assert _nbytes(floors, demands) <= budget_bytes, (
+        "the budget holds every expert of the pinned models and top_k of the busy ones; the "
+        "router checks this")
     return {d.name: floors.get(d.name, 0) for d in demands}
 
 
-def _ranked_slots(demands: list[ModelDemand],
-                  floors: dict[str, int]) -> list[tuple[str, int]]:
-    """Every slot beyond the floors as (model, bytes), best value per byte first. Within a
-    model values only fall with n, so taking the best first fills each model in order."""
+def _nbytes(slots: dict[str, int], demands: list[ModelDemand]) -> int:
+    return sum(slots.get(d.name, 0) * d.expert_nbytes for d in demands)
+
+
+def _ranked_blocks(demands: list[ModelDemand],
+                   floors: dict[str, int]) -> list[tuple[str, int, int]]:
+    """Every model's slots beyond its floor as blocks (model, slots, bytes per slot), best
+    value per byte first: the segments of the upper concave hull of its hit-rate curve, split
+    where the slots it holds now end (those count `HYSTERESIS` more). Within a model values
+    only fall along the hull, so taking the best first fills each model in order."""
     ranked = []
     for d in demands:
-        usage = np.sort(d.usage.ravel())[::-1]                       # [L*E] most used first
-        value = d.request_rate * usage / d.expert_nbytes
-        held = np.arange(usage.size) < d.current_slots
-        value = np.where(held, value * (1.0 + HYSTERESIS), value)
-        # ties (zero rate) keep what is held before taking anything new
-        ranked += [(float(v), bool(h), d.name, d.expert_nbytes)
-                   for v, h in zip(value[floors[d.name]:], held[floors[d.name]:])]
+        for start, end, slope in _hull_segments(d.hit_rates, floors[d.name]):
+            for lo, hi in _split(start, end, d.current_slots):
+                held = hi <= d.current_slots
+                value = d.value_scale * slope * (1.0 + HYSTERESIS * held) / d.expert_nbytes
+                ranked.append((value, held, d.name, hi - lo, d.expert_nbytes))
+    # ties (zero value) keep what is held before taking anything new
     ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
-    return [(name, nbytes) for _, _, name, nbytes in ranked]
+    return [(name, count, nbytes) for _, _, name, count, nbytes in ranked]
+
+
+def _hull_segments(hit_rates: np.ndarray, start: int) -> list[tuple[int, int, float]]:
+    """(first, end, slope) of the upper concave hull of H(S) over S = start..N: the slots
+    first+1..end each add `slope` to the hit rate when the segment is taken whole."""
+    n = len(hit_rates) - 1
+    hull: list[int] = []
+    for s in range(start, n + 1):
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], s, hit_rates) >= 0:
+            hull.pop()
+        hull.append(s)
+    return [(a, b, (hit_rates[b] - hit_rates[a]) / (b - a)) for a, b in zip(hull, hull[1:])]
+
+
+def _cross(a: int, b: int, c: int, h: np.ndarray) -> float:
+    """> 0 when b lies below the line from a to c (so b is not on the upper hull)."""
+    return (h[c] - h[a]) * (b - a) - (h[b] - h[a]) * (c - a)
+
+
+def _split(start: int, end: int, at: int) -> list[tuple[int, int]]:
+    return [(start, at), (at, end)] if start < at < end else [(start, end)]

@@ -63,6 +63,8 @@ from mox.router.served_model import (
 from mox.router.timeline import StepRecord, Timeline
 
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
+# A minute's request rate below this is no traffic (accesses per request are then unknown).
+MIN_RATE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -370,14 +372,21 @@ class Router:
         """The frozen view the memory policy plans from: every model with a pool."""
         now = self.clock()
         return MemoryView(self.config.device_memory, tuple(
-            ModelView(name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
-                      expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k,
-                      max_slots=m.pool.max_slots, num_slots=m.pool.num_slots,
-                      has_work=self.has_requests(m.name),
-                      request_rate=m.traffic.request_rate(now), last_active=m.last_active,
-                      oldest_arrival=self.admission.oldest_arrival(m.name),
-                      usage=m.pool.expert_usage(), resized_ago_s=m.pool.resized_ago())
-            for m in self.models.values() if m.pool is not None))
+            self._model_view(m, now) for m in self.models.values() if m.pool is not None))
+
+    def _model_view(self, m: ServedModel, now: float) -> ModelView:
+        demand = m.pool.demand()
+        minute_rate = m.traffic.request_rates(now)[1]
+        return ModelView(
+            name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
+            expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k,
+            max_slots=m.pool.max_slots, num_slots=m.pool.num_slots,
+            has_work=self.has_requests(m.name), request_rate=m.traffic.request_rate(now),
+            last_active=m.last_active, oldest_arrival=self.admission.oldest_arrival(m.name),
+            num_layers=m.pool.num_moe_layers, hit_rates=demand.hit_rates,
+            accesses_per_request=(demand.access_rate / minute_rate
+                                  if minute_rate > MIN_RATE else 0.0),
+            read_bytes_per_s=demand.read_bytes_per_s, resized_ago_s=m.pool.resized_ago())
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:

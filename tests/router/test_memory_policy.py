@@ -16,9 +16,9 @@ ALL = LAYERS * EXPERTS                      # every expert of a model: 16 slots
 def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
           rate: float = 0.0, last_active: float = 0.0, arrival: float = float("inf"),
           slots: int = 0) -> ModelView:
-    usage = np.full((LAYERS, EXPERTS), TOP_K / EXPERTS)
+    hit_rates = np.linspace(0.0, 1.0, ALL + 1)        # no locality: every slot alike
     return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
-                     arrival, usage)
+                     arrival, LAYERS, hit_rates, accesses_per_request=10.0)
 
 
 def view(budget: int | None, *models: ModelView) -> MemoryView:

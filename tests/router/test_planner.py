@@ -21,10 +21,26 @@ from mox.router.rates import DecayedRate, ModelTraffic
 NBYTES = 1000
 
 
+ACCESSES_PER_REQUEST, MISS_COST_S = 10.0, 1e-3
+
+
+def popularity_curve(layers=2, experts=8, skew=1.0) -> np.ndarray:
+    """H(S) of a pool that keeps the S most used experts, with popularity falling as
+    rank^-skew within each layer: a concave curve."""
+    p = np.sort(np.tile(np.arange(experts, 0, -1) ** skew, layers))[::-1]
+    return np.concatenate([[0.0], np.cumsum(p) / p.sum()])
+
+
+def scan_curve(num_slots=16) -> np.ndarray:
+    """A cyclic scan over every expert: nothing hits until everything fits."""
+    return np.concatenate([np.zeros(num_slots), [1.0]])
+
+
 def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, skew=1.0,
-            resized_ago_s=float("inf")):
-    usage = np.tile((np.arange(experts, 0, -1) ** skew) / experts, (layers, 1))
-    return ModelDemand(name, rate, has_work, usage, NBYTES, top_k, current, resized_ago_s)
+            resized_ago_s=float("inf"), curve=None, priority=1.0, pinned=False):
+    curve = popularity_curve(layers, experts, skew) if curve is None else curve
+    return ModelDemand(name, rate, has_work, curve, ACCESSES_PER_REQUEST, MISS_COST_S, NBYTES,
+                       top_k, layers, current, resized_ago_s, priority, pinned)
 
 
 def test_slots_follow_the_rates():
@@ -65,13 +81,52 @@ def test_no_budget_means_every_expert():
     assert plan_slots([_demand("a", 0.0)], None).slots == {"a": 16}
 
 
-@settings(max_examples=60, deadline=None)
+def test_a_hot_model_with_a_steep_curve_fills_before_a_cold_one_grows():
+    plan = plan_slots([_demand("hot", 100.0, skew=3.0), _demand("cold", 0.1)], 24 * NBYTES)
+    assert plan.slots["hot"] == 16                         # every expert it has
+    assert plan.slots["cold"] == 8                         # its working set, then leftovers
+    tight = plan_slots([_demand("hot", 100.0, skew=3.0), _demand("cold", 0.1)], 20 * NBYTES)
+    assert tight.slots == {"hot": 16, "cold": 4}           # the cold one: its floor only
+
+
+def test_a_scan_gets_all_of_its_cliff_or_only_its_floor():
+    scan = _demand("scan", 5.0, curve=scan_curve())
+    other = _demand("other", 1.0)
+    # all 16 fit beside the other's working set, and the whole cliff is worth the most
+    assert plan_slots([scan, other], 20 * NBYTES).slots == {"scan": 16, "other": 4}
+    # part of the cliff saves nothing: the other model's slots are worth more
+    plan = plan_slots([scan, other], 18 * NBYTES)
+    assert plan.slots["other"] == 14 and plan.slots["scan"] == 4
+
+
+def test_pinned_models_keep_every_slot_under_any_traffic():
+    for rates in ((0.0, 100.0), (100.0, 0.0)):
+        plan = plan_slots([_demand("pinned", rates[0], has_work=False, pinned=True),
+                           _demand("busy", rates[1])], 20 * NBYTES)
+        assert plan.slots["pinned"] == 16 and plan.slots["busy"] == 4
+
+
+def test_priority_shifts_slots_toward_the_weighted_model():
+    even = plan_slots([_demand("a", 1.0), _demand("b", 1.0)], 20 * NBYTES)
+    weighted = plan_slots([_demand("a", 1.0), _demand("b", 1.0, priority=4.0)], 20 * NBYTES)
+    assert weighted.slots["b"] > even.slots["b"] and weighted.slots["a"] < even.slots["a"]
+
+
+@settings(max_examples=80, deadline=None)
 @given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
        work=st.lists(st.booleans(), min_size=5, max_size=5),
        budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
-                                                              max_size=5))
-def test_plans_never_exceed_the_budget(rates, work, budget_slots, current):
-    demands = [_demand(str(i), r, work[i], current=current[i]) for i, r in enumerate(rates)]
+                                                              max_size=5),
+       scans=st.lists(st.booleans(), min_size=5, max_size=5),
+       priorities=st.lists(st.floats(0.1, 10), min_size=5, max_size=5),
+       pinned=st.integers(0, 5))
+def test_plans_never_exceed_the_budget(rates, work, budget_slots, current, scans, priorities,
+                                       pinned):
+    demands = [_demand(str(i), r, work[i], current=current[i], priority=priorities[i],
+                       curve=scan_curve() if scans[i] else None, pinned=i < pinned)
+               for i, r in enumerate(rates)]
+    if 16 * sum(d.pinned for d in demands) + 2 * len(demands) > budget_slots:
+        return                        # the router refuses such a budget (check_fits)
     plan = plan_slots(demands, budget_slots * NBYTES)
     assert sum(plan.slots.values()) <= budget_slots
     for d in demands:
@@ -79,6 +134,8 @@ def test_plans_never_exceed_the_budget(rates, work, budget_slots, current):
         assert plan.slots[d.name] == 0 or plan.slots[d.name] >= d.top_k
         if d.has_work:
             assert plan.slots[d.name] >= d.top_k
+        if d.pinned:
+            assert plan.slots[d.name] == d.max_slots
 
 
 def test_decayed_rate_estimates_a_steady_rate():

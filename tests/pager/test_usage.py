@@ -1,0 +1,71 @@
+"""What the pager learns from accesses: the miss-ratio curve against an exact LRU simulation,
+and its decay."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from mox.pager.usage import MissRatioCurve
+
+NUM_KEYS = 64
+
+
+def lru_hit_rate(trace: list[list[int]], size: int) -> float:
+    """An LRU pool of `size` slots on the trace, each step's keys resident together (a wave):
+    the share of accesses that found their key resident."""
+    pool: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for step in trace:
+        hits += sum(key in pool for key in step)
+        total += len(step)
+        for key in step:
+            pool[key] = None
+            pool.move_to_end(key)
+        while len(pool) > size:
+            pool.popitem(last=False)
+    return hits / total
+
+
+def zipf_trace(rng: np.random.Generator, steps: int, per_step: int) -> list[list[int]]:
+    weights = 1.0 / np.arange(1, NUM_KEYS + 1)
+    keys = rng.permutation(NUM_KEYS)
+    return [sorted(set(keys[rng.choice(NUM_KEYS, per_step, p=weights / weights.sum())]))
+            for _ in range(steps)]
+
+
+def curve_of(trace: list[list[int]]) -> np.ndarray:
+    curve = MissRatioCurve(NUM_KEYS, half_life_s=1e9)           # no decay: the whole trace
+    for t, step in enumerate(trace):
+        curve.record(np.asarray(step), float(t))
+    return curve.hit_rates()
+
+
+def test_single_key_steps_match_exact_lru_at_every_size():
+    trace = [[k] for k in np.random.default_rng(0).zipf(1.3, 3000) % NUM_KEYS]
+    hit_rates = curve_of(trace)
+    for size in range(1, NUM_KEYS + 1):
+        assert hit_rates[size] == pytest.approx(lru_hit_rate(trace, size), abs=1e-6)
+
+
+def test_layer_steps_match_exact_lru_at_every_size():
+    """A step's keys are looked up together, then inserted in order, as the pool sees them."""
+    rng = np.random.default_rng(1)
+    for per_step in (4, 12):
+        trace = zipf_trace(rng, 1000, per_step)
+        hit_rates = curve_of(trace)
+        for size in range(1, NUM_KEYS + 1):
+            assert hit_rates[size] == pytest.approx(lru_hit_rate(trace, size), abs=1e-6)
+
+
+def test_the_curve_follows_a_phase_change():
+    curve = MissRatioCurve(NUM_KEYS, half_life_s=10.0)
+    for t in range(300):                            # a cycle over 32 keys: a cliff at 32
+        curve.record(np.array([t % 32]), float(t))
+    assert curve.hit_rates()[31] < 0.05 and curve.hit_rates()[32] > 0.85
+    for t in range(300, 600):                       # then a hot set of 4 keys
+        curve.record(np.array([t % 4]), float(t))
+    assert curve.hit_rates()[4] > 0.85
+    assert curve.access_rate(600.0) == pytest.approx(1.0, rel=0.1)   # one access a second
