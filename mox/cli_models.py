@@ -1,4 +1,4 @@
-"""`mox models add|list|show|rm|import|verify`: the model registry from the command line.
+"""`mox models add|list|show|set|rm|import|verify`: the model registry from the command line.
 
 `import` and `verify` read whole checkpoints (every tensor's bytes), so they show a byte
 progress bar on stderr when it is a terminal; the other commands only read headers.
@@ -17,11 +17,12 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from mox.errors import CheckpointError
+from mox.errors import CheckpointError, InvalidRequestError
 from mox.loaders import Checkpoint
 from mox.loaders.repack import repack_expert_major
 from mox.loaders.safetensors_format import TensorInfo
 from mox.loaders.stream import read_tensor
+from mox.messages import ModelSettings
 from mox.registry import (
     CheckpointFacts,
     ModelEntry,
@@ -135,8 +136,31 @@ def _table(entries: list[ModelEntry]) -> str:
                      for row in rows)
 
 
+def _settings_changes(args: argparse.Namespace) -> dict[str, object]:
+    """The settings flags given on the command line (absent ones keep their value)."""
+    changes: dict[str, object] = {}
+    if args.pin is not None:
+        changes["pin"] = args.pin
+    if args.priority is not None:
+        changes["priority"] = args.priority
+    if args.keep_alive is not None:
+        changes["keep_alive_s"] = (None if args.keep_alive == "default"
+                                   else _seconds(args.keep_alive))
+    return changes
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidRequestError(f"keep-alive must be seconds or 'default', not {text!r}",
+                                  param="keep_alive") from None
+
+
 def _add(args: argparse.Namespace) -> int:
-    entry = Registry(args.home).add(args.name, args.path, replace=args.replace)
+    settings = ModelSettings(**_settings_changes(args))
+    entry = Registry(args.home).add(args.name, args.path, replace=args.replace,
+                                    settings=settings)
     print(f"added {entry.name}: {entry.architecture}, {entry.num_experts} experts x "
           f"{entry.num_moe_layers} layers, {format_bytes(entry.expert_bytes)} experts + "
           f"{format_bytes(entry.dense_bytes)} dense ({entry.dtype}), from {entry.path}")
@@ -160,13 +184,32 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(entry)
         return 0
-    fields = msgspec.structs.asdict(entry)
+    fields = msgspec.structs.asdict(entry) | msgspec.structs.asdict(entry.settings)
+    del fields["settings"]
     width = max(map(len, fields))
     for key in ("name", *(k for k in fields if k != "name")):
         value = fields[key]
         shown = f"{format_bytes(value)} ({value})" if key.endswith("_bytes") else value
         print(f"{key.ljust(width)}  {shown}")
     return 0
+
+
+def _set(args: argparse.Namespace) -> int:
+    changes = _settings_changes(args)
+    if not changes:
+        raise InvalidRequestError("nothing to set: give --pin/--no-pin, --priority or "
+                                  "--keep-alive")
+    entry = Registry(args.home).configure(args.name, **changes)
+    print(f"{entry.name}: {_describe(entry.settings)} (a running server applies it within "
+          "seconds)")
+    return 0
+
+
+def _describe(settings: ModelSettings) -> str:
+    keep = ("the server's idle timeout" if settings.keep_alive_s is None
+            else f"{settings.keep_alive_s:g} s")
+    return (f"{'pinned' if settings.pin else 'not pinned'}, priority {settings.priority:g}, "
+            f"keep-alive {keep}")
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -200,6 +243,18 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    pin = parser.add_mutually_exclusive_group()
+    pin.add_argument("--pin", dest="pin", action="store_true", default=None,
+                     help="keep every expert resident while registered; never park it")
+    pin.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--priority", type=float,
+                        help="weight on the model's value in the memory plan (default 1)")
+    parser.add_argument("--keep-alive", metavar="SECONDS|default",
+                        help="idle seconds before its weights leave the device ('default': "
+                        "the server's --idle-timeout)")
+
+
 def add_models_parser(sub: argparse._SubParsersAction) -> None:
     models = sub.add_parser("models", help="manage the registered models (MOX_HOME)")
     commands = models.add_subparsers(dest="models_command", required=True)
@@ -216,6 +271,8 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
     add = command("add", _add, "validate a checkpoint folder and register it under NAME")
     add.add_argument("path", help="Hugging Face checkpoint folder")
     add.add_argument("--replace", action="store_true", help="replace an existing NAME")
+    _settings_flags(add)
+    _settings_flags(command("set", _set, "change a model's pin, priority or keep-alive"))
     listing = command("list", _list, "list the registered models", takes_name=False)
     listing.add_argument("--json", action="store_true")
     show = command("show", _show, "show one model's entry")

@@ -1,14 +1,16 @@
 """The messages that cross layers: a request going in, the outputs coming back, why a request
-finished, and a model's serving state. The server, the router and the engine all speak these;
-nothing here depends on any of them.
+finished, a model's serving state, and the operator's settings for a model. The server, the
+router, the engine and the registry all speak these; nothing here depends on any of them.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
+from mox.errors import InvalidRequestError
 from mox.sampling import SamplingParams
 
 
@@ -41,3 +43,20 @@ class ModelState(str, enum.Enum):
     LOADING = "loading"    # dense weights (model-swap: the whole model) being read
     WARM = "warm"          # dense weights resident; experts come and go with the plan
     FAILED = "failed"      # could not be opened or loaded; `error` says why
+
+
+class ModelSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The operator's controls for one model, kept in the registry (`mox models set`)."""
+
+    pin: bool = False                   # every expert resident while registered; never parked
+    priority: float = 1.0               # weight on the model's value in the memory plan
+    keep_alive_s: float | None = None   # idle seconds before its weights leave (None: the
+                                        # server's --idle-timeout)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.priority) and self.priority > 0):
+            raise InvalidRequestError(f"priority must be a positive number, not "
+                                      f"{self.priority!r}", param="priority")
+        if self.keep_alive_s is not None and not self.keep_alive_s >= 0:
+            raise InvalidRequestError(f"keep-alive must be >= 0 seconds, not "
+                                      f"{self.keep_alive_s!r}", param="keep_alive")

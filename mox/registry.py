@@ -25,6 +25,7 @@ from mox.errors import CheckpointError, InvalidRequestError, ModelNotFoundError,
 from mox.loaders import Checkpoint
 from mox.loaders.repack import is_expert_major
 from mox.loaders.spec import EXPERTS_MXFP4
+from mox.messages import ModelSettings
 from mox.tokenizer import TOKENIZER_FILE, Tokenizer
 
 REGISTRY_FILE = "registry.json"
@@ -61,6 +62,7 @@ class CheckpointFacts(msgspec.Struct, frozen=True, kw_only=True):
 class ModelEntry(CheckpointFacts, frozen=True, kw_only=True):
     name: str
     added: str                    # ISO-8601 UTC
+    settings: ModelSettings = ModelSettings()     # the operator's: pin, priority, keep-alive
 
 
 class RegistryFile(msgspec.Struct, kw_only=True):
@@ -133,12 +135,14 @@ class Registry:
         raise ModelNotFoundError(f"model {name!r} is not registered in {self.path}; "
                                  "see `mox models list`")
 
-    def add(self, name: str, path: str, replace: bool = False) -> ModelEntry:
+    def add(self, name: str, path: str, replace: bool = False,
+            settings: ModelSettings | None = None) -> ModelEntry:
         """Validate, then register. The checkpoint is read before taking the lock, so a slow
         disk never blocks other registry users."""
         validate_name(name)
         facts = validate_checkpoint(path)
-        entry = ModelEntry(name=name, added=utc_now(), **msgspec.structs.asdict(facts))
+        entry = ModelEntry(name=name, added=utc_now(), settings=settings or ModelSettings(),
+                           **msgspec.structs.asdict(facts))
         with self.update() as models:
             if name in models and not replace:
                 raise InvalidRequestError(f"model {name!r} is already registered (at "
@@ -146,6 +150,15 @@ class Registry:
                                           "it", param="name")
             models[name] = entry
         return entry
+
+    def configure(self, name: str, **changes: object) -> ModelEntry:
+        """Change some of the model's settings (pin, priority, keep_alive_s), atomically."""
+        with self.update() as models:
+            if name not in models:
+                raise ModelNotFoundError(f"model {name!r} is not registered in {self.path}")
+            settings = msgspec.structs.replace(models[name].settings, **changes)
+            models[name] = msgspec.structs.replace(models[name], settings=settings)
+            return models[name]
 
     def remove(self, name: str) -> ModelEntry:
         with self.update() as models:
@@ -220,7 +233,7 @@ class Registry:
             return RegistryFile()
         try:
             registry = msgspec.json.decode(raw, type=RegistryFile)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, InvalidRequestError) as e:
             raise RegistryError(f"{self.path}: corrupt registry ({e}); fix or delete it") from e
         if registry.version > REGISTRY_FORMAT_VERSION:
             raise RegistryError(f"{self.path}: registry format {registry.version} is newer "

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from datetime import datetime
 
+from mox.errors import MoxError
 from mox.messages import ModelState, Request, RequestOutput
 from mox.registry import ModelEntry, Registry
 from mox.router import Router, RouterConfig
@@ -53,7 +54,7 @@ class RouterBackend:
 
     def models(self) -> list[ModelInfo]:
         now = int(time.time())
-        return [ModelInfo(name, m.state, self.created.get(name, now), m.error)
+        return [ModelInfo(name, m.state, self.created.get(name, now), m.error, m.settings)
                 for name, m in list(self.router.models.items())]
 
     def tokenizer(self, model: str) -> Tokenizer | None:
@@ -86,9 +87,15 @@ class RouterBackend:
                     router.remove_model(name)          # re-imported: serve the new files
                     self._templates.pop(name, None)
                 if name not in router.models:
-                    router.add_model(name, entry.path)
+                    router.add_model(name, entry.path, entry.settings)
                     self.created[name] = _unix(entry.added)
                     log.info("model %s added (%s)", name, router.models[name].state.value)
+                elif router.models[name].settings != entry.settings:
+                    try:
+                        router.configure(name, entry.settings)
+                        log.info("model %s settings: %s", name, entry.settings)
+                    except MoxError as e:
+                        log.error("model %s keeps its settings: %s", name, e)
 
         self.async_engine.call(apply)
 
@@ -130,7 +137,8 @@ def registered_models(options: ServeOptions) -> Registry:
 async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> int:
     registry = registered_models(options)
     entries = registry.list()
-    router = Router({e.name: e.path for e in entries}, options.router)
+    router = Router({e.name: e.path for e in entries}, options.router,
+                    settings={e.name: e.settings for e in entries})
     backend = RouterBackend(router, {e.name: _unix(e.added) for e in entries})
     app = create_app(backend, api_key=options.api_key)
     runner, port = await start_server(app, options.host, options.port)

@@ -75,7 +75,8 @@ class ModelView:
 
     @property
     def is_idle_warm(self) -> bool:
-        return self.state == ModelState.WARM and not self.has_work
+        """Warm with nothing to do, and not pinned: parking it may make room."""
+        return self.state == ModelState.WARM and not self.has_work and not self.pinned
 
 
 @dataclass(frozen=True)
@@ -119,15 +120,22 @@ class MemoryPolicy:
         return view.budget_bytes
 
     def minimum_bytes(self, model: ModelView) -> int:
-        """Device bytes the model needs to run at all once it holds memory."""
+        """Device bytes the model needs to run at all once it holds memory (a pinned model:
+        all of it)."""
+        if model.pinned:
+            return model.dense_nbytes + model.max_slots * model.expert_nbytes
         return model.dense_nbytes + model.top_k * model.expert_nbytes
 
     def check_fits(self, view: MemoryView, name: str) -> None:
+        """The model's minimum must fit beside every pinned model's."""
         model, budget = _find(view, name), self.budget(view)
-        if budget is not None and self.minimum_bytes(model) > budget:
+        pinned = sum(self.minimum_bytes(m) for m in view.models if m.pinned and m.name != name)
+        if budget is not None and pinned + self.minimum_bytes(model) > budget:
+            what = "all of it: it is pinned" if model.pinned else self.minimum_is
+            beside = f" beside {pinned} bytes of pinned models" if pinned else ""
             raise MoxError(f"model {name!r} needs {self.minimum_bytes(model)} bytes of "
-                           f"device memory to run ({self.minimum_is}, top_k = "
-                           f"{model.top_k}); the budget is {budget}")
+                           f"device memory to run ({what}, top_k = {model.top_k}){beside}; "
+                           f"the budget is {budget}")
 
     def admit(self, view: MemoryView) -> Admitted:
         """Admit cold models with requests, oldest request first, while the policy finds room
@@ -206,14 +214,20 @@ class EqualSplitMemory(MemoryPolicy):
         self.eviction_policy = eviction
 
     def share_bytes(self, view: MemoryView) -> int | None:
+        """Expert bytes per unpinned model: the budget less every model's dense weights and
+        the pinned models' experts, split equally."""
         budget = self.budget(view)
-        if budget is None or not view.models:
+        unpinned = [m for m in view.models if not m.pinned]
+        if budget is None or not unpinned:
             return None
-        return (budget - sum(m.dense_nbytes for m in view.models)) // len(view.models)
+        pinned = sum(m.max_slots * m.expert_nbytes for m in view.models if m.pinned)
+        return (budget - pinned - sum(m.dense_nbytes for m in view.models)) // len(unpinned)
 
     def check_fits(self, view: MemoryView, name: str) -> None:
         model, share = _find(view, name), self.share_bytes(view)
-        if share is not None and share < model.top_k * model.expert_nbytes:
+        if model.pinned:
+            super().check_fits(view, name)
+        elif share is not None and share < model.top_k * model.expert_nbytes:
             raise MoxError(f"an equal split of the device budget leaves {share} bytes of "
                            f"experts per model; model {name!r} needs top_k experts")
 
@@ -224,7 +238,8 @@ class EqualSplitMemory(MemoryPolicy):
         share = self.share_bytes(view)
         slots = {}
         for m in view.models:
-            fit = m.max_slots if share is None else min(m.max_slots, share // m.expert_nbytes)
+            fit = (m.max_slots if share is None or m.pinned
+                   else min(m.max_slots, share // m.expert_nbytes))
             # a share below top_k experts cannot run a step (check_fits refused the model)
             slots[m.name] = fit if m.holds_device_memory and fit >= m.top_k else 0
         return slots

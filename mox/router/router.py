@@ -14,7 +14,9 @@ Design note.
   memory policy a frozen view of the models (`_view`) and applies the plan it returns
   (`_apply`): parks, expert slots per model (the pools evict only unleased experts; shrinks
   before grows, so the sum never passes the budget), loads of cold models it admitted.
-- A warm model idle for `dense_idle_s` is parked: its weights and slots leave the device.
+- A warm model idle for `dense_idle_s` (or its own keep-alive) is parked: its weights and
+  slots leave the device. A pinned model (the operator's `mox models set --pin`) loads whole
+  at once and is never parked; its priority weights its value in the plan.
 - Admission (mox.router.admission): per-model and global limits on waiting requests
   (AdmissionError, HTTP 429); a request still waiting after `queue_timeout_s` is aborted
   with RequestTimeoutError.
@@ -41,7 +43,7 @@ from mox.errors import (
     MoxError,
     RequestTimeoutError,
 )
-from mox.messages import ModelState, Request, RequestOutput
+from mox.messages import ModelSettings, ModelState, Request, RequestOutput
 from mox.models.loading import prefetch_by_default
 from mox.pager import make_pager
 from mox.router.admission import Admission
@@ -94,7 +96,8 @@ class RouterConfig:
 
 class Router:
     def __init__(self, models: dict[str, str], config: RouterConfig = RouterConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 settings: dict[str, ModelSettings] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
@@ -117,13 +120,15 @@ class Router:
         self._loader = WeightLoader(self.wake)
         self._next_plan = -math.inf
         for name, path in models.items():
-            self.add_model(name, path)
+            self.add_model(name, path, (settings or {}).get(name))
 
     # ---- models ------------------------------------------------------------------------
-    def add_model(self, name: str, path: str) -> ServedModel:
+    def add_model(self, name: str, path: str,
+                  settings: ModelSettings | None = None) -> ServedModel:
         if name in self.models:
             raise InvalidRequestError(f"model {name!r} is already served", param="model")
         model = open_served(name, path, self.dtype)
+        model.settings = settings or ModelSettings()
         self.models[name] = model
         if model.state == ModelState.FAILED:
             return model
@@ -136,9 +141,24 @@ class Router:
         except MoxError as e:
             model.state, model.error = ModelState.FAILED, str(e)
             return model
-        if self.policy.pins_models:
-            self._start_load(model)
+        if self.policy.pins_models or model.settings.pin:
+            self._start_load(model, whole=True)
         return model
+
+    def configure(self, name: str, settings: ModelSettings) -> None:
+        """New operator settings for a served model: a newly pinned model loads whole now.
+        Refused (MoxError, nothing changed) if the budget cannot hold it pinned."""
+        model = self.served(name)
+        previous, model.settings = model.settings, settings
+        try:
+            self.policy.check_fits(self._view(), name)
+        except MoxError:
+            model.settings = previous
+            raise
+        if settings.pin and model.state == ModelState.COLD:
+            self._start_load(model, whole=True)
+        else:
+            self.replan()
 
     def remove_model(self, name: str) -> list[RequestOutput]:
         """Stop serving the model: its requests abort, its memory is freed."""
@@ -330,10 +350,12 @@ class Router:
 
     def _park_at(self, model: ServedModel) -> float | None:
         """When the model is due to be parked for idleness (None: not while it stays so)."""
-        if (model.state != ModelState.WARM or self.policy.pins_models
+        if (model.state != ModelState.WARM or self.policy.pins_models or model.settings.pin
                 or self.has_requests(model.name)):
             return None
-        return model.last_active + self.config.dense_idle_s
+        keep_alive = model.settings.keep_alive_s
+        return model.last_active + (self.config.dense_idle_s if keep_alive is None
+                                    else keep_alive)
 
     def _park_idle(self, now: float) -> None:
         for model in list(self.models.values()):
@@ -386,7 +408,8 @@ class Router:
             num_layers=m.pool.num_moe_layers, hit_rates=demand.hit_rates,
             accesses_per_request=(demand.access_rate / minute_rate
                                   if minute_rate > MIN_RATE else 0.0),
-            read_bytes_per_s=demand.read_bytes_per_s, resized_ago_s=m.pool.resized_ago())
+            read_bytes_per_s=demand.read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
+            priority=m.settings.priority, pinned=m.settings.pin)
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:

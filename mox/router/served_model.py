@@ -19,7 +19,7 @@ import torch
 from mox.errors import CheckpointError, InvalidRequestError, MoxError
 from mox.loaders import Checkpoint
 from mox.loaders.threads import use_one_thread
-from mox.messages import ModelState
+from mox.messages import ModelSettings, ModelState
 from mox.models import MoEDecoder
 from mox.models.loading import load_model
 from mox.pager import ModelPool
@@ -41,6 +41,7 @@ class ServedModel:
     error: str | None = None
     decoder: MoEDecoder | None = None
     pool: ModelPool | None = None            # its experts in the pager (once registered)
+    settings: ModelSettings = ModelSettings()    # the operator's: pin, priority, keep-alive
     traffic: ModelTraffic = field(default_factory=ModelTraffic)
     last_active: float = -math.inf           # last step or arrival (idle drop, LRU swap)
     num_loads: int = 0                       # times its weights were read (cold starts)

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from mox.messages import ModelState, Request, RequestOutput
+from mox.messages import ModelSettings, ModelState, Request, RequestOutput
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
 
@@ -26,6 +26,7 @@ class ModelInfo:
     state: ModelState
     created: int
     error: str | None = None
+    settings: ModelSettings | None = None     # the operator's (None: the backend has none)
 
 
 class ServingBackend(Protocol):

@@ -48,7 +48,8 @@ async def list_models(http_request: web.Request) -> web.Response:
     backend = http_request.app[CONTEXT].backend
     return json_response(ModelList([
         ModelCard(info.name, info.created, info.state.value,
-                  error=UNSET if info.error is None else info.error)
+                  error=UNSET if info.error is None else info.error,
+                  settings=UNSET if info.settings is None else info.settings)
         for info in backend.models()]))
 
 

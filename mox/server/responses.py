@@ -7,6 +7,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from mox.messages import ModelSettings
+
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
@@ -99,6 +101,7 @@ class ModelCard(msgspec.Struct):
     object: str = "model"
     owned_by: str = "mox"
     error: str | UnsetType = UNSET  # why a failed model failed
+    settings: ModelSettings | UnsetType = UNSET   # mox's: pin, priority, keep-alive
 
 
 class ModelList(msgspec.Struct):

@@ -18,6 +18,7 @@ from mox.cli_models import check_same_tensors
 from mox.errors import InvalidRequestError, ModelNotFoundError
 from mox.loaders import Checkpoint
 from mox.loaders.repack import ALIGNMENT, is_expert_major
+from mox.messages import ModelSettings
 from mox.registry import REGISTRY_FILE, Registry, RegistryError
 
 DEMO = "qwen2-moe-demo"          # the smallest demo checkpoint (~18 MB)
@@ -79,6 +80,35 @@ def test_add_list_show_rm_round_trip(capsys, home, demo_path):
     assert rc == 2 and "not registered" in err
     with pytest.raises(ModelNotFoundError):
         registry.remove("q2")
+
+
+def test_operator_settings_are_kept_shown_and_checked(capsys, home, demo_path):
+    registry = Registry(home)
+    assert mox(capsys, "models", "add", "q2", demo_path, "--priority", "2", "--home",
+               home)[0] == 0
+    assert registry.get("q2").settings == ModelSettings(priority=2.0)
+    rc, out, _ = mox(capsys, "models", "set", "q2", "--pin", "--keep-alive", "30", "--home",
+                     home)
+    assert rc == 0 and "pinned, priority 2, keep-alive 30 s" in out
+    rc, out, _ = mox(capsys, "models", "show", "q2", "--json", "--home", home)
+    assert json.loads(out)["settings"] == {"pin": True, "priority": 2.0, "keep_alive_s": 30.0}
+    rc, out, _ = mox(capsys, "models", "show", "q2", "--home", home)
+    assert rc == 0 and any(line.split() == ["keep_alive_s", "30.0"] for line in out.splitlines())
+    assert mox(capsys, "models", "set", "q2", "--no-pin", "--keep-alive", "default",
+               "--home", home)[0] == 0
+    assert registry.get("q2").settings == ModelSettings(priority=2.0)
+    before = registry_bytes(home)
+    for bad in (["--priority", "0"], ["--priority", "nan"], ["--keep-alive", "-1"],
+                ["--keep-alive", "soon"], []):
+        rc, _, err = mox(capsys, "models", "set", "q2", *bad, "--home", home)
+        assert rc == 2 and err, bad
+    assert registry_bytes(home) == before                  # refused changes write nothing
+    # a registry written before settings existed reads with the defaults
+    raw = json.loads(before)
+    del raw["models"][0]["settings"]
+    with open(os.path.join(home, REGISTRY_FILE), "w") as f:
+        json.dump(raw, f)
+    assert registry.get("q2").settings == ModelSettings()
 
 
 def test_home_from_environment(monkeypatch, capsys, home, demo_path):

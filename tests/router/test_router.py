@@ -8,8 +8,8 @@ import os
 import pytest
 
 from mox import LLM
-from mox.errors import AdmissionError, ModelUnavailableError, RequestTimeoutError
-from mox.messages import FinishReason, ModelState, Request
+from mox.errors import AdmissionError, ModelUnavailableError, MoxError, RequestTimeoutError
+from mox.messages import FinishReason, ModelSettings, ModelState, Request
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.sampling import SamplingParams
 
@@ -162,6 +162,40 @@ def test_idle_models_are_parked(hf_checkpoints):
     router.add_request(Request("a2", "a", [3, 4], _params(3)))       # and comes back
     _run(router, clock, _finished(["a2"]))
     assert router.models["a"].num_loads == 2
+
+
+def test_pinned_models_load_whole_and_stay_and_keep_alive_is_per_model(hf_checkpoints):
+    clock = FakeClock()
+    path = hf_checkpoints["olmoe"][0]
+    probe = Router({"p": path}, RouterConfig(dtype="float32"))
+    dense, expert = probe.models["p"].dense_nbytes, probe.models["p"].pool.expert_nbytes
+    settings = {"pinned": ModelSettings(pin=True), "brief": ModelSettings(keep_alive_s=5.0)}
+    router = Router({n: path for n in ("pinned", "brief", "other")},
+                    RouterConfig(dtype="float32", kv_memory=16 << 20, dense_idle_s=30.0,
+                                 device_memory=3 * dense + 34 * expert),
+                    clock=clock, settings=settings)
+    router.warm_up("pinned")                                  # loading since registration
+    pinned = router.models["pinned"]
+    assert pinned.num_loads == 1 and pinned.pool.num_slots == 16
+    assert pinned.pool.stats()["resident_bytes"] == 16 * expert          # every expert
+    for i, model in enumerate(("brief", "other")):
+        router.add_request(Request(f"r{i}", model, list(range(3, 40)), _params(2)))
+    _run(router, clock, _finished(["r0", "r1"]))
+    assert router.models["pinned"].pool.num_slots == 16      # busy neighbours took no slot
+    clock.now += 6.0
+    router.step()
+    assert router.models["brief"].state == ModelState.COLD    # its own keep-alive: 5 s
+    assert router.models["other"].state == ModelState.WARM    # the server's: 30 s
+    clock.now += 3600.0
+    router.step()
+    assert router.models["other"].state == ModelState.COLD
+    assert pinned.state == ModelState.WARM and pinned.pool.num_slots == 16
+    router.configure("other", ModelSettings(pin=True))        # pinning a cold model loads it
+    router.warm_up("other")
+    assert router.models["other"].pool.num_slots == 16 and router.models["other"].num_loads == 2
+    with pytest.raises(MoxError, match="pinned"):             # a third would not fit
+        router.configure("brief", ModelSettings(pin=True))
+    assert not router.models["brief"].settings.pin
 
 
 def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):

@@ -121,6 +121,9 @@ def test_serve_end_to_end(home):
         server.wait_for(lambda: "again" in server.models())
         status, _ = server.request("/v1/completions", {**body, "model": "again"})
         assert status == 200
+        Registry(home).configure("again", priority=3.0, keep_alive_s=60.0)   # `mox models set`
+        server.wait_for(lambda: server.models()["again"]["settings"] == {
+            "pin": False, "priority": 3.0, "keep_alive_s": 60.0})
 
         chunks: queue.Queue = queue.Queue()
         streaming = threading.Thread(target=_stream, args=(server, chunks), daemon=True)
