@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
         max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
         dense_idle_s=args.idle_timeout,
-        compute_threads=args.compute_threads, step_log=args.step_log)
+        compute_threads=args.compute_threads, step_log=args.step_log,
+        direct_io=not args.buffered_io)
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config)
     return asyncio.run(serve(options))
@@ -91,6 +92,9 @@ def _add_serve_parser(sub) -> None:
                        help="seconds idle before a model's weights leave the device")
     serve.add_argument("--compute-threads", type=int,
                        help="torch threads for model steps (default: every core)")
+    serve.add_argument("--buffered-io", action="store_true",
+                       help="read experts through the page cache (default: O_DIRECT where the "
+                       "filesystem allows, so RAM holding weights is only what mox budgets)")
     serve.add_argument("--step-log", help="append a JSON line per engine step to this file "
                        "(model, sequences, tokens, seconds, seconds waiting on expert reads)")
     serve.set_defaults(func=_serve)

@@ -45,13 +45,14 @@ class LLM:
     """One model behind a router of its own. `expert_memory`: device bytes for its expert
     slots (None: every expert resident, loaded now); `host_memory`: a RAM cache of expert bytes
     between disk and device (None: on a GPU, the model's expert bytes up to half the
-    machine's RAM; on a CPU off, the page cache serves); `policy`: any router policy (rate,
+    machine's RAM; on a CPU off: the slots are RAM already); `policy`: any router policy (rate,
     lru, lfu, model-swap, all-resident); `prefetch`: predict and preload the next layer's
-    experts (None: on for CUDA, off on CPU; see `prefetch_by_default`)."""
+    experts (None: on for CUDA, off on CPU; see `prefetch_by_default`); `direct_io`: read
+    experts with O_DIRECT where the filesystem allows (no page-cache copy of the weights)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
-                 policy: str = "rate", prefetch: bool | None = None, direct_io: bool = False,
+                 policy: str = "rate", prefetch: bool | None = None, direct_io: bool = True,
                  kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256):
         if policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from "

@@ -194,7 +194,7 @@ async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry
             await wait_ready(generator, all_warm=policy == "all-resident")
             startup_s = time.monotonic() - started
             evict_page_cache(paths)
-            scraper = MetricsScraper(session, server.base_url, config.scrape_period_s)
+            scraper = MetricsScraper(session, server.base_url, config.scrape_period_s, paths)
             origin = time.monotonic()
             baseline = await scraper.scrape()
             scraper.start(origin)

@@ -20,6 +20,7 @@ import aiohttp
 import msgspec
 
 from mox.bench.loadtest.workload import RequestSpec
+from mox.loaders.page_cache import weights_resident_bytes
 
 REQUEST_TIMEOUT_S = 600.0         # one request, end to end; the harness's deadline is shorter
 DATA_PREFIX = b"data: "
@@ -237,13 +238,22 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
     return MetricsSample(t_s, values, states)
 
 
-class MetricsScraper:
-    """Scrapes `/metrics` every `period_s` until stopped; `samples` in order."""
+# Not the server's: the harness measures how much of the checkpoints' weights the page cache
+# holds (mincore) at each scrape and files it with the sample under this name.
+PAGE_CACHE_METRIC = "harness:checkpoint_page_cache_bytes"
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, period_s: float) -> None:
+
+class MetricsScraper:
+    """Scrapes `/metrics` every `period_s` until stopped; `samples` in order. With
+    `checkpoints` (folders), each sample also records how many of their bytes the page cache
+    holds (`PAGE_CACHE_METRIC`)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, period_s: float,
+                 checkpoints: list[str] = ()) -> None:
         self.session = session
         self.url = f"{base_url.rstrip('/')}/metrics"
         self.period_s = period_s
+        self.checkpoints = list(checkpoints)
         self.samples: list[MetricsSample] = []
         self._origin = time.monotonic()
         self._stop = asyncio.Event()
@@ -253,6 +263,9 @@ class MetricsScraper:
         async with self.session.get(self.url) as resp:
             resp.raise_for_status()
             sample = parse_metrics(await resp.text(), time.monotonic() - self._origin)
+        if self.checkpoints:
+            sample.values[PAGE_CACHE_METRIC] = {
+                "": float(sum(weights_resident_bytes(f) for f in self.checkpoints))}
         self.samples.append(sample)
         return sample
 

@@ -42,10 +42,11 @@ def _x(value: float | None, target: float, at_most: bool) -> str:
 def policy_table(suite: Suite) -> list[str]:
     rows = ["| policy | ok / sent | cold | TTFT p50 / p90 / p99 ms | cold TTFT p50 ms | "
             "TPOT p50 / p99 ms | e2e p99 ms | tok/s | goodput req/s | expert hit rate | "
-            "read MiB | peak resident MiB |", "|---" * 12 + "|"]
+            "read MiB (disk / host) | peak resident MiB | peak page cache MiB |",
+            "|---" * 13 + "|"]
     for p in suite.policies:
         if p.error is not None:
-            rows.append(f"| {p.policy} | error: {p.error[:120]} |" + " |" * 10)
+            rows.append(f"| {p.policy} | error: {p.error[:120]} |" + " |" * 11)
             continue
         t, lat, pg = p.latency.ttft, p.latency, p.pager
         hit = "-" if pg.hit_rate is None else f"{pg.hit_rate:.2f}"
@@ -54,7 +55,9 @@ def policy_table(suite: Suite) -> list[str]:
             f"{_ms(t.p50)} / {_ms(t.p90)} / {_ms(t.p99)} | {_ms(lat.cold_ttft.p50)} | "
             f"{_ms(lat.tpot.p50)} / {_ms(lat.tpot.p99)} | {_ms(lat.e2e.p99)} | "
             f"{p.throughput_tokens_per_s:.1f} | {p.goodput_requests_per_s:.2f} | {hit} | "
-            f"{pg.bytes_read / MiB:.0f} | {pg.peak_resident_bytes / MiB:.0f} |")
+            f"{pg.bytes_read / MiB:.0f} ({pg.bytes_read_disk / MiB:.0f} / "
+            f"{pg.bytes_read_host / MiB:.0f}) | {pg.peak_resident_bytes / MiB:.0f} | "
+            f"{p.peak_page_cache_bytes / MiB:.0f} |")
     return rows
 
 

@@ -67,6 +67,8 @@ class Pager(msgspec.Struct):
     hit_rate: float | None
     bytes_read: int
     peak_resident_bytes: int
+    bytes_read_disk: int = 0
+    bytes_read_host: int = 0
 
 
 class Counts(msgspec.Struct):
@@ -92,6 +94,7 @@ class TimelinePoint(msgspec.Struct):
     device_used_bytes: float
     resident_bytes: dict[str, float]
     request_rate: dict[str, float]
+    page_cache_bytes: float = 0.0       # checkpoint files in the OS page cache (all models)
 
 
 class RequestRecord(msgspec.Struct, omit_defaults=True):
@@ -125,6 +128,8 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     latency: Latency | None = None
     pager: Pager | None = None
     peak_device_used_bytes: int = 0
+    # RAM the OS page cache held for the checkpoints (mincore, sampled): outside mox's budget
+    peak_page_cache_bytes: int = 0
     errors: dict[str, int] = {}
     per_model: list[ModelResult] = []
     timeline: list[TimelinePoint] = []

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mox.bench.loadtest.loadgen import MetricsSample, RequestResult
+from mox.bench.loadtest.loadgen import PAGE_CACHE_METRIC, MetricsSample, RequestResult
 from mox.bench.loadtest.results_schema import (
     SCHEMA_VERSION,
     SLO,
@@ -110,7 +110,9 @@ def pager(run: RunRecord, models: list[str]) -> Pager:
     peak = max((sum(s.value("mox:resident_expert_bytes", m) for m in models)
                 for s in run.samples), default=0.0)
     return Pager(hits, misses, hits / (hits + misses) if hits + misses else None,
-                 int(delta("mox:expert_bytes_read_total")), int(peak))
+                 int(delta("mox:expert_bytes_read_total")), int(peak),
+                 int(delta("mox:expert_bytes_read_disk_total")),
+                 int(delta("mox:expert_bytes_read_host_total")))
 
 
 def makespan(results: list[RequestResult]) -> float:
@@ -150,7 +152,8 @@ def summarize_policy(run: RunRecord, models: list[str], slo: SLO) -> PolicyResul
     c = counts(run.results, slo)
     timeline = [TimelinePoint(s.t_s, s.value("mox:device_used_bytes"),
                               {m: s.value("mox:resident_expert_bytes", m) for m in models},
-                              {m: s.value("mox:request_rate", m) for m in models})
+                              {m: s.value("mox:request_rate", m) for m in models},
+                              s.value(PAGE_CACHE_METRIC))
                 for s in run.samples]
     return PolicyResult(
         policy=run.policy, server_exit_code=run.exit_code, startup_s=run.startup_s,
@@ -159,6 +162,7 @@ def summarize_policy(run: RunRecord, models: list[str], slo: SLO) -> PolicyResul
         throughput_requests_per_s=c.ok / span, goodput_requests_per_s=c.met_slo / span,
         latency=latency(run.results), pager=pager(run, models),
         peak_device_used_bytes=int(max((p.device_used_bytes for p in timeline), default=0)),
+        peak_page_cache_bytes=int(max((p.page_cache_bytes for p in timeline), default=0)),
         errors=error_kinds(run.results), per_model=per_model, timeline=timeline,
         requests=[request_record(r, slo) for r in run.results])
 

@@ -79,7 +79,8 @@ class RouterConfig:
     kv_memory: int = 1 << 30
     max_batched_tokens: int = 256
     prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
-    direct_io: bool = False
+    direct_io: bool = True                # O_DIRECT reads (no page cache) where the filesystem
+                                          # allows: the disk tier is really the disk
     plan_period_s: float = 1.0
     dense_idle_s: float = 300.0           # a warm model idle this long is parked
     max_waiting_per_model: int = 256

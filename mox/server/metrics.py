@@ -46,6 +46,9 @@ _PAGER_COUNTERS = {
     "hits": ("mox:expert_hits_total", "Expert leases served from a resident slot."),
     "misses": ("mox:expert_misses_total", "Expert leases that had to page the expert in."),
     "bytes_read": ("mox:expert_bytes_read_total", "Expert bytes read from host or disk."),
+    "bytes_read_disk": ("mox:expert_bytes_read_disk_total", "Expert bytes read from disk."),
+    "bytes_read_host": ("mox:expert_bytes_read_host_total",
+                        "Expert bytes read from the host (RAM) cache."),
     "evictions": ("mox:expert_evictions_total", "Experts evicted from their slots."),
 }
 _PAGER_GAUGES = {

@@ -18,6 +18,9 @@ from mox.cli_bench import parse_slo
 from mox.errors import InvalidRequestError
 
 
+PAGE_CACHE_SLACK_PER_MODEL = 1 << 20        # readahead of the shards' header reads
+
+
 def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     out = tmp_path / "out"
     code = main(["bench", "--quick", "--home", str(tmp_path / "home"), "--out", str(out),
@@ -43,6 +46,10 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
         assert policy.latency.ttft.p50 > 0
         assert policy.counts.cold >= 1                 # every model starts cold
         assert policy.pager.bytes_read > 0 and policy.timeline
+        assert policy.pager.bytes_read_disk == policy.pager.bytes_read    # no host cache on CPU
+        # honest tiers: the weights read (O_DIRECT) stay out of the page cache, within the host
+        # budget (none here) plus what reading the headers pulls in ahead
+        assert policy.peak_page_cache_bytes <= 4 * PAGE_CACHE_SLACK_PER_MODEL
         assert len(policy.requests) == policy.counts.requests
         assert sum(m.counts.requests for m in policy.per_model) == policy.counts.requests
     assert suite.targets.p99_ttft_vs_model_swap is not None
