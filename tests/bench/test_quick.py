@@ -17,7 +17,6 @@ from mox.cli import main
 from mox.cli_bench import parse_slo
 from mox.errors import InvalidRequestError
 
-
 PAGE_CACHE_SLACK_PER_MODEL = 1 << 20        # readahead of the shards' header reads
 
 
