@@ -61,6 +61,14 @@ def policy_table(suite: Suite) -> list[str]:
     return rows
 
 
+def prefetch_line(suite: Suite) -> str:
+    """How well the predictions that loaded experts ahead of use did, per policy."""
+    cells = [f"{p.policy} {p.pager.prefetch_hits}/{p.pager.prefetches}"
+             for p in suite.policies if p.error is None and p.pager.prefetches]
+    return ("Prefetch (predicted experts used / loaded): " + ", ".join(cells) if cells
+            else "Prefetch: none (off on a CPU by default).")
+
+
 def per_model_table(suite: Suite) -> list[str]:
     ok = [p for p in suite.policies if p.error is None]
     rows = ["| model | share | " + " | ".join(f"{p.policy} TTFT p99 ms / goodput" for p in ok)
@@ -103,6 +111,7 @@ def markdown(results: Results, plots: list[str]) -> str:
                   f"tokens, outputs {w.mean_output_tokens:.0f} tokens on average.", "",
                   routing_line(suite.routing), ""]
         lines += policy_table(suite) + [""]
+        lines += [prefetch_line(suite), ""]
         lines += ["| rate vs | measured |", "|---|---|",
                   f"| model-swap p99 TTFT | {_x(tg.p99_ttft_vs_model_swap, 1 / 3, True)} |",
                   f"| model-swap goodput | {_x(tg.goodput_vs_model_swap, 2.0, False)} |",

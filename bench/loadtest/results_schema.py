@@ -69,6 +69,8 @@ class Pager(msgspec.Struct):
     peak_resident_bytes: int
     bytes_read_disk: int = 0
     bytes_read_host: int = 0
+    prefetches: int = 0              # experts loaded on a prediction (next layer, popular)
+    prefetch_hits: int = 0           # ... that a step then used
 
 
 class Counts(msgspec.Struct):

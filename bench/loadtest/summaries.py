@@ -112,7 +112,9 @@ def pager(run: RunRecord, models: list[str]) -> Pager:
     return Pager(hits, misses, hits / (hits + misses) if hits + misses else None,
                  int(delta("mox:expert_bytes_read_total")), int(peak),
                  int(delta("mox:expert_bytes_read_disk_total")),
-                 int(delta("mox:expert_bytes_read_host_total")))
+                 int(delta("mox:expert_bytes_read_host_total")),
+                 int(delta("mox:expert_prefetches_total")),
+                 int(delta("mox:expert_prefetch_hits_total")))
 
 
 def makespan(results: list[RequestResult]) -> float:

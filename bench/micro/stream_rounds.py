@@ -10,7 +10,8 @@ rounds. The report lists min / p50 / p90 / max round seconds, rounds over 10x th
 the watchdog's warnings, and the slowest round's slowest steps.
 
     .venv/bin/python -m mox.bench.micro.stream_rounds [--rounds 30] [--streams 150]
-        [--leave 0.5] [--budget 64MiB] [--policy rate] [--out bench/results/stream_rounds.md]
+        [--leave 0.5] [--budget 64MiB] [--policy rate] [--serve-arg=--compute-threads=1]
+        [--out bench/results/stream_rounds.md]
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def registry_home(models_home: str) -> tuple[str, list[str]]:
     return home, list(paths)
 
 
-def start_server(home: str, budget: str, policy: str, step_log: str) -> tuple[subprocess.Popen,
-                                                                               str]:
+def start_server(home: str, budget: str, policy: str, step_log: str,
+                 extra: list[str]) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "mox.cli", "serve", "--home", home, "--port", "0",
-               "--device-memory", budget, "--policy", policy, "--step-log", step_log]
+               "--device-memory", budget, "--policy", policy, "--step-log", step_log, *extra]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -168,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leave", type=float, default=0.5)
     parser.add_argument("--budget", default="64MiB")
     parser.add_argument("--policy", default="rate")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="one more argument for mox serve (repeatable), e.g. "
+                        "--serve-arg=--compute-threads=1")
     parser.add_argument("--out", default=str(Path(__file__).parent.parent / "results"
                                              / "stream_rounds.md"))
     args = parser.parse_args(argv)
     home, models = registry_home(args.home)
     step_log = os.path.join(home, "steps.jsonl")
-    server, base = start_server(home, args.budget, args.policy, step_log)
+    server, base = start_server(home, args.budget, args.policy, step_log, args.serve_arg)
     try:
         rounds = asyncio.run(run_rounds(base, models, args, server.pid))
     finally:

@@ -50,6 +50,10 @@ _PAGER_COUNTERS = {
     "bytes_read_host": ("mox:expert_bytes_read_host_total",
                         "Expert bytes read from the host (RAM) cache."),
     "evictions": ("mox:expert_evictions_total", "Experts evicted from their slots."),
+    "prefetches": ("mox:expert_prefetches_total",
+                   "Experts loaded ahead of use (next-layer prediction, popular experts)."),
+    "prefetch_hits": ("mox:expert_prefetch_hits_total",
+                      "Prefetched experts a step then used: the prediction's hits."),
 }
 _PAGER_GAUGES = {
     "resident_bytes": ("mox:resident_expert_bytes", "Expert bytes resident on the device."),

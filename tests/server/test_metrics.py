@@ -12,6 +12,7 @@ SNAPSHOT = {
               "dense_resident": True, "planned_slots": 10,
               "pager": {"hits": 5, "misses": 2, "bytes_read": 1024, "resident_bytes": 2048,
                         "num_slots": 10, "evictions": 3, "read_seconds": 0.0125,
+                        "prefetches": 4, "prefetch_hits": 3,
                         "page_in_buckets": (0.001, 0.01), "page_in_counts": [1, 2, 0]}},
         "b": {"state": "failed", "running": 0, "waiting": 0},      # no pager: not reported
     },
@@ -39,6 +40,8 @@ def test_snapshot_becomes_gauges_and_counters():
     assert samples[("mox:expert_misses_total", a)] == 2
     assert samples[("mox:expert_bytes_read_total", a)] == 1024
     assert samples[("mox:expert_evictions_total", a)] == 3
+    assert samples[("mox:expert_prefetches_total", a)] == 4
+    assert samples[("mox:expert_prefetch_hits_total", a)] == 3
     assert samples[("mox:resident_expert_bytes", a)] == 2048
     assert samples[("mox:expert_slots", a)] == 10
     assert ("mox:expert_hits_total", (("model", "b"),)) not in samples
