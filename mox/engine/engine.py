@@ -19,7 +19,7 @@ from mox.engine.kv_pool import KVPool
 from mox.engine.runner import ModelRunner, SampledToken
 from mox.engine.scheduler import Scheduler, SchedulerConfig
 from mox.engine.sequence import Sequence, SequenceStatus
-from mox.engine.threads import COMPUTE_THREADS, use_compute_threads
+from mox.engine.threads import COMPUTE_THREADS, SharedCores, use_compute_threads
 from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
 from mox.messages import FinishReason, Request, RequestOutput
@@ -63,8 +63,10 @@ class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  config: SchedulerConfig | None = None,
                  compute_threads: int | None = None) -> None:
-        # torch intra-op threads for steps (None: what the process had at start)
+        # torch intra-op threads for steps (None: what the process had at start, less the
+        # cores other processes keep busy)
         self.compute_threads = compute_threads or COMPUTE_THREADS
+        self._shared_cores = None if compute_threads else SharedCores(COMPUTE_THREADS)
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
         self.models: dict[str, _Model] = {}
@@ -165,7 +167,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         # an I/O thread's one-thread setting leaks into this thread (mox/engine/threads.py)
-        use_compute_threads(self.compute_threads)
+        use_compute_threads(self.compute_threads if self._shared_cores is None
+                            else self._shared_cores.current())
         batch = self.scheduler.schedule()
         outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
                    for s in self.scheduler.out_of_kv]

@@ -7,16 +7,69 @@ thread, and their matmuls ran 2x slower). So the engine pins its own count on ev
 the process had when this module was imported (the router and the offline `LLM` import the
 engine before any pager exists, so before any I/O thread has run), or the count it is given
 (`mox serve --compute-threads`).
+
+Unless given a count, the engine also leaves the cores other processes are using: an OpenMP
+team waits at every barrier for its slowest member, so a team of 2 on 2 cores beside one busy
+process ran 2.5x slower than a team of 1 (rounds of 150 streams, p50 14.0 s vs 5.7 s; 4.4 s
+with no neighbour; bench/results/stream_rounds.md). `SharedCores` reads the machine's busy
+time from /proc/stat every few seconds and subtracts this process's own.
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 COMPUTE_THREADS = torch.get_num_threads()
+# How often the neighbours' load is re-read: a few steps' worth, so a burst next door is
+# followed within seconds and /proc is read rarely.
+SHARED_CORES_PERIOD_S = 2.0
+# A neighbour using less than this share of a core leaves the core to us.
+NEIGHBOUR_CORE_THRESHOLD = 0.5
 
 
 def use_compute_threads(count: int = COMPUTE_THREADS) -> None:
     """For threads that run model steps; cheap enough to call every step."""
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
+
+
+class SharedCores:
+    """The compute thread count to use now: `max_threads` less the cores other processes
+    kept busy over the last period (at least one). Without /proc (not Linux): `max_threads`."""
+
+    def __init__(self, max_threads: int = COMPUTE_THREADS,
+                 period_s: float = SHARED_CORES_PERIOD_S) -> None:
+        self.max_threads, self.period_s = max_threads, period_s
+        self.threads = max_threads
+        self._last = _cpu_seconds()
+        self._last_at = time.monotonic()
+
+    def current(self) -> int:
+        now = time.monotonic()
+        if self._last is None or now - self._last_at < self.period_s:
+            return self.threads
+        sample = _cpu_seconds()
+        if sample is not None:
+            busy = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
+            neighbours = busy / (now - self._last_at)              # cores others used
+            taken = int(neighbours + 1.0 - NEIGHBOUR_CORE_THRESHOLD)
+            self.threads = max(1, self.max_threads - taken)
+        self._last, self._last_at = sample, now
+        return self.threads
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy seconds of the whole machine, of this process) so far, or None without /proc."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / ticks, (int(own[11]) + int(own[12])) / ticks

@@ -5,8 +5,9 @@ waves, leases, prefetch and budget (`model_pool`) and the loading and eviction u
 activation frequencies (`usage`); and the figures it counts (`stats`)."""
 
 from mox.pager.host_cache import HostCache
-from mox.pager.model_pool import Lease, ModelPool
+from mox.pager.model_pool import Lease, ModelPool, PoolDemand
 from mox.pager.pager import ExpertPager, make_pager
 from mox.pager.stats import PagerStats
 
-__all__ = ["ExpertPager", "HostCache", "Lease", "ModelPool", "PagerStats", "make_pager"]
+__all__ = ["ExpertPager", "HostCache", "Lease", "ModelPool", "PagerStats", "PoolDemand",
+           "make_pager"]

@@ -53,7 +53,8 @@ class Lease:
 class PoolDemand:
     hit_rates: np.ndarray              # [N + 1] H(S): LRU hit rate of recent accesses at S slots
     access_rate: float                 # (layer, expert) accesses per second, recently
-    read_bytes_per_s: float | None     # what this pool's expert reads achieved (None: none yet)
+    bytes_read: int                    # expert bytes read so far (disk and host)
+    read_seconds: float                # ... and the I/O threads' seconds reading them
 
 
 class ModelPool(PagedPool):
@@ -77,10 +78,9 @@ class ModelPool(PagedPool):
         """What the planner values this pool's slots by, read under the lock."""
         with self._lock:
             c = self.counters
-            bandwidth = ((c.bytes_read_disk + c.bytes_read_host) / c.read_seconds
-                         if c.read_seconds > 0 else None)
             return PoolDemand(self.miss_curve.hit_rates(),
-                              self.miss_curve.access_rate(self.clock()), bandwidth)
+                              self.miss_curve.access_rate(self.clock()),
+                              c.bytes_read_disk + c.bytes_read_host, c.read_seconds)
 
     def step_figures(self) -> tuple[float, int, int, int]:
         """(stall seconds, misses, waves, bytes read) so far: a step's are the difference."""

@@ -45,7 +45,7 @@ from mox.errors import (
 )
 from mox.messages import ModelSettings, ModelState, Request, RequestOutput
 from mox.models.loading import prefetch_by_default
-from mox.pager import make_pager
+from mox.pager import PoolDemand, make_pager
 from mox.router.admission import Admission
 from mox.router.memory_policy import (
     MemoryPlan,
@@ -394,22 +394,30 @@ class Router:
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from: every model with a pool."""
         now = self.clock()
+        pooled = [m for m in self.models.values() if m.pool is not None]
+        demands = {m.name: m.pool.demand() for m in pooled}
+        # one read rate for every model: the tier's, not one pool's noisy sample of it (which
+        # made equal models' slots differ in value by chance)
+        seconds = sum(d.read_seconds for d in demands.values())
+        bandwidth = sum(d.bytes_read for d in demands.values()) / seconds if seconds else None
         return MemoryView(self.config.device_memory, tuple(
-            self._model_view(m, now) for m in self.models.values() if m.pool is not None))
+            self._model_view(m, demands[m.name], bandwidth, now) for m in pooled))
 
-    def _model_view(self, m: ServedModel, now: float) -> ModelView:
-        demand = m.pool.demand()
+    def _model_view(self, m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | None,
+                    now: float) -> ModelView:
         minute_rate = m.traffic.request_rates(now)[1]
         return ModelView(
             name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
             expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k,
             max_slots=m.pool.max_slots, num_slots=m.pool.num_slots,
+            # valued by max(10 s, minute) rates: the minute's alone was no better in one run
+            # (bench/results/harness-honest/README.md)
             has_work=self.has_requests(m.name), request_rate=m.traffic.request_rate(now),
             last_active=m.last_active, oldest_arrival=self.admission.oldest_arrival(m.name),
             num_layers=m.pool.num_moe_layers, hit_rates=demand.hit_rates,
             accesses_per_request=(demand.access_rate / minute_rate
                                   if minute_rate > MIN_RATE else 0.0),
-            read_bytes_per_s=demand.read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
+            read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
             priority=m.settings.priority, pinned=m.settings.pin)
 
     # ---- reporting ---------------------------------------------------------------------
