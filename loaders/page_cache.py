@@ -49,3 +49,14 @@ def weights_resident_bytes(folder: str) -> int:
                 header = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
             total += resident_bytes(path, HEADER_LENGTH_BYTES + header)
     return total
+
+
+def evict(path: str) -> None:
+    """Write the file back, then drop it from the page cache (no root needed): the next read
+    of it comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -38,6 +38,7 @@ from mox.bench.loadtest.workload import (
     TraceWorkload,
 )
 from mox.demo import ensure_demo_models
+from mox.loaders.page_cache import evict
 from mox.registry import Registry, validate_checkpoint
 
 SERVING_LINE = re.compile(r"serving \d+ models on http://(?P<host>[^:/\s]+):(?P<port>\d+)/v1")
@@ -62,14 +63,8 @@ def evict_page_cache(paths: list[str]) -> None:
     for folder in paths:
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            if os.path.isfile(path):
+                evict(path)
 
 
 def workload_for(config: BenchConfig) -> SyntheticWorkload | TraceWorkload:

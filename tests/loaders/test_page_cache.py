@@ -6,20 +6,11 @@ from __future__ import annotations
 import os
 
 from mox.loaders import Checkpoint
-from mox.loaders.page_cache import resident_bytes, weights_resident_bytes
+from mox.loaders.page_cache import evict, resident_bytes, weights_resident_bytes
 from mox.loaders.stream import ByteRange, StreamingReader
 
 MiB = 1 << 20
 READAHEAD_SLACK = 1 * MiB        # header reads may pull a little of the data in (readahead)
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_buffered_reads_show_up_and_eviction_clears_them(tmp_path):
