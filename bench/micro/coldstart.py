@@ -2,7 +2,7 @@
 3 MiB, top-4: 1.6 GB of experts, 0.2 GB dense) for prompts of 8, 32 and 256 random tokens.
 
 Each trial is cold: the checkpoint's files are evicted from the page cache (fdatasync, then
-posix_fadvise DONTNEED; fincore confirms). TTFT = wall time from constructing the model (dense
+posix_fadvise DONTNEED; mincore confirms). TTFT = wall time from constructing the model (dense
 weights are read then) to the first token (prefill + argmax). Variants, round-robin:
   paging        LLM(expert_memory=every expert's bytes): experts page in as routed (the
                 default: no predictive prefetch on CPU). paging+pf: layer L+1's predicted
@@ -43,7 +43,7 @@ from safetensors import safe_open
 import mox.pager.model_pool
 from mox import LLM
 from mox.demo import default_home, ensure_demo_models
-from mox.loaders import Checkpoint
+from mox.loaders import Checkpoint, page_cache
 from mox.loaders.stream import StreamingReader
 from mox.models import load_model
 from mox.pager import ExpertPager, ModelPool
@@ -64,15 +64,8 @@ def evict(path: str) -> int:
     """Drop the checkpoint from the page cache; returns the bytes still resident."""
     files = [os.path.join(path, f) for f in sorted(os.listdir(path))]
     for name in files:
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)                  # DONTNEED skips dirty pages (a fresh build)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *files],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(int(x) for x in out.split())
+        page_cache.evict(name)
+    return sum(map(page_cache.resident_bytes, files))
 
 
 def machine_load() -> str:

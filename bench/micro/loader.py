@@ -1,7 +1,7 @@
 """Cold-read bandwidth of mox's expert reader against raw sequential reads and safetensors.
 
 Every trial starts cold: the checkpoint's files are evicted from the page cache with
-`posix_fadvise(DONTNEED)` (no root needed), and util-linux `fincore` (mincore) confirms that
+`posix_fadvise(DONTNEED)` (no root needed), and mincore (mox.loaders.page_cache) confirms that
 under 1% of their bytes remain. Variants, all over the same bench-size checkpoint, run
 round-robin per repeat (the order rotating) so that machine noise hits them alike:
   mox-buffered   StreamingReader(direct=False): every expert one `submit` (its gate, up and
@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from mox.demo import default_home, ensure_demo_models
 from mox.loaders import Checkpoint
 from mox.loaders import stream as stream_module
+from mox.loaders.page_cache import evict, resident_bytes
 from mox.loaders.stream import StreamingReader
 from mox.pager.expert_loader import expert_ranges
 
@@ -76,10 +77,8 @@ class Trial:
 
 
 def resident_fraction(files: list[str]) -> float:
-    """Fraction of the files' bytes in the page cache: util-linux `fincore` (mincore(2))."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
-                         check=True, capture_output=True, text=True).stdout
-    return sum(int(n) for n in out.split()) / sum(os.path.getsize(f) for f in files)
+    """Fraction of the files' bytes in the page cache (mincore(2))."""
+    return sum(map(resident_bytes, files)) / sum(os.path.getsize(f) for f in files)
 
 
 def make_pool(ckpt: Checkpoint, num_slots: int) -> list[torch.Tensor]:
@@ -144,10 +143,7 @@ def make_cold(files: list[str]) -> float:
     """Evict the files from the page cache; the fraction of their bytes still cached."""
     for _ in range(COLD_ATTEMPTS):
         for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)          # DONTNEED skips dirty pages: a just-built model has some
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            evict(path)
         resident = resident_fraction(files)
         if resident <= MAX_COLD_RESIDENT:
             return resident
