@@ -138,11 +138,12 @@ class MemoryPolicy:
                            f"the budget is {budget}")
 
     def admit(self, view: MemoryView) -> Admitted:
-        """Admit cold models with requests, oldest request first, while the policy finds room
-        for them (parking idle models where it must); the rest wait for a busy model to go
-        idle."""
+        """Admit cold models with requests (and pinned ones), oldest request first, while the
+        policy finds room for them (parking idle models where it must); the rest wait for a
+        busy model to go idle."""
         park, load = [], []
-        cold = [m for m in view.models if m.state == ModelState.COLD and m.has_work]
+        cold = [m for m in view.models
+                if m.state == ModelState.COLD and (m.has_work or m.pinned)]
         for model in sorted(cold, key=lambda m: m.oldest_arrival):
             room = self.make_room(view, model)
             view, park = room.view, park + list(room.park)
@@ -170,6 +171,11 @@ class MemoryPolicy:
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)
+
+    def holding_fits(self, view: MemoryView) -> bool:
+        """Do the minimums of the models that hold memory fit the budget?"""
+        budget = self.budget(view)
+        return budget is None or sum(self.minimum_bytes(m) for m in view.holding()) <= budget
 
     def plan_slots(self, view: MemoryView) -> dict[str, int]:
         """Expert slots for every model in the view; what the models that hold memory then

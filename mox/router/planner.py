@@ -126,7 +126,9 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
         recent = d.resized_ago_s < RESIZE_MIN_INTERVAL_S
         # below its working set a step runs in waves: such a pool may always grow
         hold = small or (recent and (planned < held or held >= d.working_set))
-        settled[d.name] = held if hold and planned and held >= d.top_k else planned
+        # a pinned model holds every expert: no band keeps it below that
+        settled[d.name] = (held if hold and planned and held >= d.top_k and not d.pinned
+                           else planned)
     if plan.budget_bytes is None:
         return settled
 
@@ -151,6 +153,8 @@ def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     working = {d.name: d.working_set for d in busy}
     if _nbytes(floors | working, demands) > budget_bytes:
         working = {d.name: min(d.top_k, d.max_slots) for d in busy}
+    if _nbytes(floors | working, demands) > budget_bytes:      # admission keeps this rare
+        floors = {d.name: min(d.top_k, d.max_slots) for d in demands if d.pinned}
     floors |= working
     assert _nbytes(floors, demands) <= budget_bytes, (
         "the budget holds every expert of the pinned models and top_k of the busy ones; the "

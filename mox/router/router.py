@@ -142,22 +142,29 @@ class Router:
         except MoxError as e:
             model.state, model.error = ModelState.FAILED, str(e)
             return model
-        if self.policy.pins_models or model.settings.pin:
+        if self.policy.pins_models:
             self._start_load(model, whole=True)
+        elif model.settings.pin:
+            self._try_start_loads()                # as soon as admission finds it room
         return model
 
     def configure(self, name: str, settings: ModelSettings) -> None:
-        """New operator settings for a served model: a newly pinned model loads whole now.
-        Refused (MoxError, nothing changed) if the budget cannot hold it pinned."""
+        """New operator settings for a served model: a newly pinned cold model loads whole as
+        soon as admission finds it room. Refused (MoxError, nothing changed) if the budget
+        can never hold it pinned, or cannot now beside the models holding memory."""
         model = self.served(name)
         previous, model.settings = model.settings, settings
         try:
-            self.policy.check_fits(self._view(), name)
+            view = self._view()
+            self.policy.check_fits(view, name)
+            if not self.policy.holding_fits(view):
+                raise MoxError(f"model {name!r} cannot be pinned while the models holding "
+                               "memory need the rest of the budget; try again when they idle")
         except MoxError:
             model.settings = previous
             raise
-        if settings.pin and model.state == ModelState.COLD:
-            self._start_load(model, whole=True)
+        if model.state == ModelState.COLD:
+            self._try_start_loads()
         else:
             self.replan()
 
@@ -308,7 +315,7 @@ class Router:
     def _try_start_loads(self) -> None:
         """Start loading cold models that have requests, if the policy finds room for them
         (parking idle models if it must); otherwise they wait for a busy model to go idle."""
-        if any(m.state == ModelState.COLD and self.has_requests(m.name)
+        if any(m.state == ModelState.COLD and (self.has_requests(m.name) or m.settings.pin)
                for m in self.models.values()):
             admitted = self.policy.admit(self._view())
             if admitted.load or admitted.park:
@@ -389,7 +396,8 @@ class Router:
         if self.policy.plans_host_cache:
             self.residency.share_host_cache()
         for model in loading:
-            self._loader.start(model, self.dtype, self.device, self.policy.loads_whole_models)
+            self._loader.start(model, self.dtype, self.device,
+                               self.policy.loads_whole_models or model.settings.pin)
 
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from: every model with a pool."""

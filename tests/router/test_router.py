@@ -198,6 +198,30 @@ def test_pinned_models_load_whole_and_stay_and_keep_alive_is_per_model(hf_checkp
     assert not router.models["brief"].settings.pin
 
 
+def test_a_pin_makes_room_by_parking_idle_models_or_is_refused(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a", "b"), clock=clock, experts=18)
+    router.add_request(Request("r", "a", list(range(3, 30)), _params(2)))
+    router.add_request(Request("s", "b", list(range(3, 30)), _params(2)))
+    _run(router, clock, _finished(["r", "s"]))
+    path = hf_checkpoints["olmoe"][0]
+    # the budget: both dense + 18 experts; a pinned third needs its dense + all 16 experts
+    budget = router.config.device_memory
+    dense = router.models["a"].dense_nbytes
+    router.config = RouterConfig(**{**router.config.__dict__, "device_memory": budget + dense})
+    router.add_model("c", path, ModelSettings(pin=True))
+    router.warm_up("c")
+    assert router.models["c"].pool.num_slots == 16 and router.residency.used_bytes() <= (
+        budget + dense)
+    assert ModelState.COLD in (router.models["a"].state, router.models["b"].state)  # parked
+    router.add_request(Request("t", "a", list(range(3, 30)), _params(40)))
+    router.add_request(Request("u", "b", list(range(3, 30)), _params(40)))
+    _step(router, clock)
+    with pytest.raises(MoxError, match="pinned"):     # no room for a second whole model
+        router.configure("a", ModelSettings(pin=True))
+    assert not router.models["a"].settings.pin
+
+
 def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):
     clock = FakeClock()
     probe = _router(hf_checkpoints, names=("p",), experts=0)
