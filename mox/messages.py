@@ -45,6 +45,10 @@ class ModelState(str, enum.Enum):
     FAILED = "failed"      # could not be opened or loaded; `error` says why
 
 
+# Priorities weigh slot values (seconds saved per second); past this they only risk overflow.
+MAX_PRIORITY = 1e6
+
+
 class ModelSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The operator's controls for one model, kept in the registry (`mox models set`)."""
 
@@ -54,9 +58,9 @@ class ModelSettings(msgspec.Struct, frozen=True, kw_only=True):
                                         # server's --idle-timeout)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.priority) and self.priority > 0):
-            raise InvalidRequestError(f"priority must be a positive number, not "
-                                      f"{self.priority!r}", param="priority")
+        if not (math.isfinite(self.priority) and 0 < self.priority <= MAX_PRIORITY):
+            raise InvalidRequestError(f"priority must be a number in (0, {MAX_PRIORITY:g}], "
+                                      f"not {self.priority!r}", param="priority")
         if self.keep_alive_s is not None and not self.keep_alive_s >= 0:
             raise InvalidRequestError(f"keep-alive must be >= 0 seconds, not "
                                       f"{self.keep_alive_s!r}", param="keep_alive")

@@ -37,8 +37,9 @@ def use_compute_threads(count: int = COMPUTE_THREADS) -> None:
 
 
 class SharedCores:
-    """The compute thread count to use now: `max_threads` less the cores other processes
-    kept busy over the last period (at least one). Without /proc (not Linux): `max_threads`."""
+    """The compute thread count to use now: `max_threads` less the cores other processes (or
+    the host) kept busy over the last period, at least one; the CPUs counted are the ones this
+    process may run on. Without /proc (not Linux): `max_threads`."""
 
     def __init__(self, max_threads: int = COMPUTE_THREADS,
                  period_s: float = SHARED_CORES_PERIOD_S) -> None:
@@ -52,24 +53,31 @@ class SharedCores:
         if self._last is None or now - self._last_at < self.period_s:
             return self.threads
         sample = _cpu_seconds()
-        if sample is not None:
-            busy = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
-            neighbours = busy / (now - self._last_at)              # cores others used
-            taken = int(neighbours + 1.0 - NEIGHBOUR_CORE_THRESHOLD)
-            self.threads = max(1, self.max_threads - taken)
+        if sample is None:                 # /proc went away: keep the last answer
+            return self.threads
+        busy = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
+        neighbours = busy / (now - self._last_at)              # cores others used
+        taken = int(neighbours + 1.0 - NEIGHBOUR_CORE_THRESHOLD)
+        self.threads = max(1, self.max_threads - taken)
         self._last, self._last_at = sample, now
         return self.threads
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
-    """(busy seconds of the whole machine, of this process) so far, or None without /proc."""
+    """(busy seconds of the CPUs this process may run on, of this process) so far, or None
+    without /proc. Busy counts time the host stole too: those cores were not ours either."""
+    allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:8]]
+            rows = [line.split() for line in f if line.startswith("cpu")]
         with open("/proc/self/stat") as f:
             own = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
+    busy = 0
+    for row in rows:
+        if row[0] in allowed:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, row[1:9])
+            busy += user + nice + system + irq + softirq + steal
     ticks = os.sysconf("SC_CLK_TCK")
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / ticks, (int(own[11]) + int(own[12])) / ticks
+    return busy / ticks, (int(own[11]) + int(own[12])) / ticks

@@ -92,6 +92,7 @@ class MissRatioCurve:
 
     def record(self, keys: np.ndarray, now: float) -> None:
         """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step."""
+        assert len(np.unique(keys)) == len(keys), "keys of one step must be distinct"
         last = self.last_use[keys]
         seen = np.isfinite(last)
         order = np.sort(self.last_use)

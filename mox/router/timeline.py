@@ -3,8 +3,8 @@
 Every router step that runs a batch leaves a `StepRecord`: when it started, which model
 stepped, how many sequences and tokens (prefill and decode), how long it took, and what it
 waited on in the pager (seconds stalled on expert reads, misses, waves, bytes read). The last
-`TIMELINE_LENGTH` records stay in memory (`Timeline.records`, the router snapshot's
-`last_steps`), and `mox serve --step-log FILE` appends each as a JSON line.
+`TIMELINE_LENGTH` records stay in memory (`Router.timeline.records`), and `mox serve
+--step-log FILE` appends each as a JSON line (a write error logs once and stops the log).
 
 The `Watchdog` thread looks at the step in progress once a second; a step running longer than
 `threshold_s` is logged (WARNING) with its model, batch, and what the model's pool is waiting
@@ -32,7 +32,7 @@ WATCHDOG_PERIOD_S = 1.0
 
 
 class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
-    start: float                    # the router's clock (monotonic seconds)
+    start: float                    # time.monotonic() when the step began
     model: str
     num_seqs: int
     num_tokens: int
@@ -55,9 +55,14 @@ class Timeline:
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
-        if self._sink is not None:
+        if self._sink is None:
+            return
+        try:
             self._sink.write(self._encoder.encode(record).decode() + "\n")
             self._sink.flush()
+        except OSError as e:                  # a full disk must not stop serving
+            log.error("step log stopped: %s", e)
+            self._sink = None
 
     def close(self) -> None:
         if self._sink is not None:
