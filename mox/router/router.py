@@ -26,12 +26,14 @@ driver's: mox.router.driver); only the loader thread's results cross over (`Weig
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from mox.engine.engine import Engine, StepInfo
@@ -64,6 +66,7 @@ from mox.router.served_model import (
 )
 from mox.router.timeline import StepRecord, Timeline
 
+log = logging.getLogger("mox.router")
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
 # A minute's request rate below this is no traffic (accesses per request are then unknown).
 MIN_RATE = 1e-6
@@ -137,16 +140,27 @@ class Router:
                                           self.policy.eviction_policy, self.prefetch)
         self.engine.add_model(name, model.ckpt.spec, self.dtype, self.device, model.tokenizer,
                               model.eos_token_ids)
-        try:
-            self.policy.check_fits(self._view(), name)
-        except MoxError as e:
-            model.state, model.error = ModelState.FAILED, str(e)
+        error = self._unfit(name)
+        if error and model.settings.pin:                 # the budget can hold it, not pinned
+            log.warning("model %s serves unpinned: %s", name, error)
+            model.settings = msgspec.structs.replace(model.settings, pin=False)
+            error = self._unfit(name)
+        if error:
+            model.state, model.error = ModelState.FAILED, error
             return model
         if self.policy.pins_models:
             self._start_load(model, whole=True)
         elif model.settings.pin:
             self._try_start_loads()                # as soon as admission finds it room
         return model
+
+    def _unfit(self, name: str) -> str | None:
+        """Why the budget can never run the model as it is set up, or None."""
+        try:
+            self.policy.check_fits(self._view(), name)
+        except MoxError as e:
+            return str(e)
+        return None
 
     def configure(self, name: str, settings: ModelSettings) -> None:
         """New operator settings for a served model: a newly pinned cold model loads whole as
