@@ -47,13 +47,12 @@ from mox.errors import (
 )
 from mox.messages import ModelSettings, ModelState, Request, RequestOutput
 from mox.models.loading import prefetch_by_default
-from mox.pager import PoolDemand, make_pager
+from mox.pager import make_pager
 from mox.router.admission import Admission
 from mox.router.memory_policy import (
     MemoryPlan,
     MemoryPolicy,
     MemoryView,
-    ModelView,
     make_memory_policy,
 )
 from mox.router.residency import Residency
@@ -65,11 +64,10 @@ from mox.router.served_model import (
     resolve_dtype,
 )
 from mox.router.timeline import StepRecord, Timeline
+from mox.router.views import memory_view
 
 log = logging.getLogger("mox.router")
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
-# A minute's request rate below this is no traffic (accesses per request are then unknown).
-MIN_RATE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -414,33 +412,9 @@ class Router:
                                self.policy.loads_whole_models or model.settings.pin)
 
     def _view(self) -> MemoryView:
-        """The frozen view the memory policy plans from: every model with a pool."""
-        now = self.clock()
-        pooled = [m for m in self.models.values() if m.pool is not None]
-        demands = {m.name: m.pool.demand() for m in pooled}
-        # one read rate for every model: the tier's, not one pool's noisy sample of it (which
-        # made equal models' slots differ in value by chance)
-        seconds = sum(d.read_seconds for d in demands.values())
-        bandwidth = sum(d.bytes_read for d in demands.values()) / seconds if seconds else None
-        return MemoryView(self.config.device_memory, tuple(
-            self._model_view(m, demands[m.name], bandwidth, now) for m in pooled))
-
-    def _model_view(self, m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | None,
-                    now: float) -> ModelView:
-        minute_rate = m.traffic.request_rates(now)[1]
-        return ModelView(
-            name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
-            expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k,
-            max_slots=m.pool.max_slots, num_slots=m.pool.num_slots,
-            # valued by max(10 s, minute) rates: the minute's alone was no better in one run
-            # (bench/results/harness-honest/README.md)
-            has_work=self.has_requests(m.name), request_rate=m.traffic.request_rate(now),
-            last_active=m.last_active, oldest_arrival=self.admission.oldest_arrival(m.name),
-            num_layers=m.pool.num_moe_layers, hit_rates=demand.hit_rates,
-            accesses_per_request=(demand.access_rate / minute_rate
-                                  if minute_rate > MIN_RATE else 0.0),
-            read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
-            priority=m.settings.priority, pinned=m.settings.pin)
+        """The frozen view the memory policy plans from (mox.router.views)."""
+        return memory_view(self.models, self.config.device_memory, self.has_requests,
+                           self.admission.oldest_arrival, self.clock())
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -1,0 +1,46 @@
+"""The frozen `MemoryView` a memory policy plans from, built from the router's model table: each
+model's state and sizes, its traffic, and what its pool has learned (miss-ratio curve, access
+rate), with one read rate for the whole tier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mox.pager import PoolDemand
+from mox.router.memory_policy import MemoryView, ModelView
+from mox.router.served_model import ServedModel
+
+# A minute's request rate below this is no traffic (accesses per request are then unknown).
+MIN_RATE = 1e-6
+
+
+def memory_view(models: dict[str, ServedModel], budget_bytes: int | None,
+                has_requests: Callable[[str], bool], oldest_arrival: Callable[[str], float],
+                now: float) -> MemoryView:
+    """Every model with a pool, as the router sees it at `now`."""
+    pooled = [m for m in models.values() if m.pool is not None]
+    demands = {m.name: m.pool.demand() for m in pooled}
+    # one read rate for every model: the tier's, not one pool's noisy sample of it (which made
+    # equal models' slots differ in value by chance)
+    seconds = sum(d.read_seconds for d in demands.values())
+    bandwidth = sum(d.bytes_read for d in demands.values()) / seconds if seconds else None
+    return MemoryView(budget_bytes, tuple(
+        _model_view(m, demands[m.name], bandwidth, has_requests(m.name),
+                    oldest_arrival(m.name), now) for m in pooled))
+
+
+def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | None,
+                has_work: bool, oldest_arrival: float, now: float) -> ModelView:
+    minute_rate = m.traffic.request_rates(now)[1]
+    return ModelView(
+        name=m.name, state=m.state, dense_nbytes=m.dense_nbytes,
+        expert_nbytes=m.pool.expert_nbytes, top_k=m.pool.top_k, max_slots=m.pool.max_slots,
+        num_slots=m.pool.num_slots, has_work=has_work,
+        # valued by max(10 s, minute) rates: the minute's alone was no better in one run
+        # (bench/results/harness-honest/README.md)
+        request_rate=m.traffic.request_rate(now), last_active=m.last_active,
+        oldest_arrival=oldest_arrival, num_layers=m.pool.num_moe_layers,
+        hit_rates=demand.hit_rates,
+        accesses_per_request=demand.access_rate / minute_rate if minute_rate > MIN_RATE else 0.0,
+        read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
+        priority=m.settings.priority, pinned=m.settings.pin)
