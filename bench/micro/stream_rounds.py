@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 
 from mox.demo import default_home, ensure_demo_models
+from mox.engine.threads import cpu_times
 from mox.registry import Registry
 from mox.router.timeline import StepRecord
 
@@ -84,15 +85,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict, leave
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
-    """Seconds of CPU so far: the machine's busy and steal time (all cores), the server's."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        cpu = [int(x) for x in f.readline().split()[1:]]
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    user, nice, system, idle, iowait, irq, softirq, steal = cpu[:8]
-    return {"busy": (user + nice + system + irq + softirq) / ticks, "steal": steal / ticks,
-            "server": (int(fields[11]) + int(fields[12])) / ticks}
+    """CPU seconds so far: the machine's busy (steal included) and stolen time, the server's."""
+    times = cpu_times(pid)
+    return {"busy": times.busy - times.steal, "steal": times.steal, "server": times.process}
 
 
 async def run_rounds(base: str, models: list[str], args: argparse.Namespace,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -45,17 +46,17 @@ class SharedCores:
                  period_s: float = SHARED_CORES_PERIOD_S) -> None:
         self.max_threads, self.period_s = max_threads, period_s
         self.threads = max_threads
-        self._last = _cpu_seconds()
+        self._last = cpu_times()
         self._last_at = time.monotonic()
 
     def current(self) -> int:
         now = time.monotonic()
         if self._last is None or now - self._last_at < self.period_s:
             return self.threads
-        sample = _cpu_seconds()
+        sample = cpu_times()
         if sample is None:                 # /proc went away: keep the last answer
             return self.threads
-        busy = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
+        busy = (sample.busy - self._last.busy) - (sample.process - self._last.process)
         neighbours = busy / (now - self._last_at)              # cores others used
         taken = int(neighbours + 1.0 - NEIGHBOUR_CORE_THRESHOLD)
         self.threads = max(1, self.max_threads - taken)
@@ -63,21 +64,31 @@ class SharedCores:
         return self.threads
 
 
-def _cpu_seconds() -> tuple[float, float] | None:
-    """(busy seconds of the CPUs this process may run on, of this process) so far, or None
-    without /proc. Busy counts time the host stole too: those cores were not ours either."""
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds so far: busy time of the CPUs this process may run on (time the host stole
+    included: those cores were not ours either), the stolen part alone, and one process's."""
+
+    busy: float
+    steal: float
+    process: float
+
+
+def cpu_times(pid: int | str = "self") -> CpuTimes | None:
+    """From /proc (None where there is none): what `SharedCores` and the benchmarks use."""
     allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     try:
         with open("/proc/stat") as f:
             rows = [line.split() for line in f if line.startswith("cpu")]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    busy = 0
+    busy = steal = 0
     for row in rows:
         if row[0] in allowed:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, row[1:9])
-            busy += user + nice + system + irq + softirq + steal
+            user, nice, system, _idle, _iowait, irq, softirq, stolen = map(int, row[1:9])
+            busy += user + nice + system + irq + softirq + stolen
+            steal += stolen
     ticks = os.sysconf("SC_CLK_TCK")
-    return busy / ticks, (int(own[11]) + int(own[12])) / ticks
+    return CpuTimes(busy / ticks, steal / ticks, (int(fields[11]) + int(fields[12])) / ticks)

@@ -184,15 +184,16 @@ def test_a_router_steps_on_its_threads_whatever_a_worker_sets(hf_checkpoints):
 def test_the_engine_leaves_the_cores_its_neighbours_use(monkeypatch):
     import mox.engine.threads as threads
 
-    samples = iter([(0.0, 0.0), (4.0, 1.9), (8.0, 5.1), (12.0, 7.1)])   # (machine, own)
-    monkeypatch.setattr(threads, "_cpu_seconds", lambda: next(samples))
+    samples = iter([threads.CpuTimes(busy, 0.0, own)                     # machine, own
+                    for busy, own in [(0.0, 0.0), (4.0, 1.9), (8.0, 5.1), (12.0, 7.1)]])
+    monkeypatch.setattr(threads, "cpu_times", lambda: next(samples))
     clock = iter([0.0, 2.0, 4.0, 6.0])
     monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
     cores = threads.SharedCores(max_threads=2, period_s=1.0)
     assert cores.current() == 1          # neighbours used 2.1 CPU-s in 2 s: one core is taken
     assert cores.current() == 2          # then 0.8 CPU-s in 2 s: under half a core, left to us
     assert cores.current() == 1          # 2.0 CPU-s in 2 s again
-    monkeypatch.setattr(threads, "_cpu_seconds", lambda: None)
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)
     monkeypatch.setattr(threads.time, "monotonic", lambda: 100.0)
     assert threads.SharedCores(max_threads=4).current() == 4          # no /proc: every core
 
