@@ -12,6 +12,8 @@ import ctypes.util
 import mmap
 import os
 
+import numpy as np
+
 from .safetensors_format import HEADER_LENGTH_BYTES
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -36,7 +38,10 @@ def resident_bytes(path: str, start: int = 0) -> int:
     if failed:
         raise OSError(ctypes.get_errno(), f"mincore({path})")
     first = start // mmap.PAGESIZE
-    return min(size - start, sum(byte & 1 for byte in vector.raw[first:]) * mmap.PAGESIZE)
+    # bit 0 of each byte: the page is resident (a counting loop in Python took ~0.3 s for
+    # 16 GB of checkpoints at every scrape)
+    resident = int((np.frombuffer(vector.raw, dtype=np.uint8)[first:] & 1).sum())
+    return min(size - start, resident * mmap.PAGESIZE)
 
 
 def weights_resident_bytes(folder: str) -> int:

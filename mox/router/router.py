@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO
 
 import msgspec
 import torch
@@ -116,8 +117,7 @@ class Router:
         self.residency = Residency(self.models, self.pager.loader.host_cache, clock)
         self.admission = Admission(config.max_waiting_per_model, config.max_waiting,
                                    config.queue_timeout_s)
-        self.timeline = Timeline(open(config.step_log, "a", encoding="utf-8")
-                                 if config.step_log else None)
+        self.timeline = Timeline(_open_step_log(config.step_log) if config.step_log else None)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
         self._next_plan = -math.inf
@@ -446,3 +446,11 @@ class Router:
     def shutdown(self) -> None:
         self._loader.shutdown()
         self.timeline.close()
+
+
+def _open_step_log(path: str) -> IO[str]:
+    try:
+        return open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write the step log {path}: {e.strerror}",
+                                  param="step_log") from e
