@@ -90,10 +90,11 @@ class Engine:
         self.kv_pool.remove_model(name)
 
     def set_weights(self, name: str, model: MoEDecoder | None) -> None:
-        """Loaded weights let the model run; None takes them away (it must hold no work)."""
+        """Loaded weights let the model run; None takes them away (it must run no sequence;
+        waiting ones wait for weights again, as a cold model's do)."""
         entry = self.models[name]
         if model is None:
-            assert not self.scheduler.queues[name].has_work, f"{name} still has requests"
+            assert not self.scheduler.queues[name].running, f"{name} still runs sequences"
             entry.runner = None
         else:
             assert model.spec == entry.spec and model.device == entry.device

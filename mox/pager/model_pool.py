@@ -53,6 +53,7 @@ class Lease:
 class PoolDemand:
     hit_rates: np.ndarray              # [N + 1] H(S): LRU hit rate of recent accesses at S slots
     access_rate: float                 # (layer, expert) accesses per second, recently
+    recent_accesses: float             # the decayed count of accesses behind the curve
     bytes_read: int                    # expert bytes read so far (disk and host)
     read_seconds: float                # ... and the I/O threads' seconds reading them
 
@@ -78,8 +79,9 @@ class ModelPool(PagedPool):
         """What the planner values this pool's slots by, read under the lock."""
         with self._lock:
             c = self.counters
-            return PoolDemand(self.miss_curve.hit_rates(),
-                              self.miss_curve.access_rate(self.clock()),
+            now = self.clock()
+            return PoolDemand(self.miss_curve.hit_rates(), self.miss_curve.access_rate(now),
+                              self.miss_curve.recent_accesses(now),
                               c.bytes_read_disk + c.bytes_read_host, c.read_seconds)
 
     def step_figures(self) -> tuple[float, int, int, int]:

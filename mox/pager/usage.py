@@ -130,6 +130,10 @@ class MissRatioCurve:
         hits = np.concatenate([[0.0], np.cumsum(self.counts[:-1])])
         return hits / total if total > 0 else hits
 
+    def recent_accesses(self, now: float) -> float:
+        """The decayed count of (layer, expert) accesses the curve is made of."""
+        return self.counts.sum() / self._decay.weight(now)
+
     def access_rate(self, now: float) -> float:
         """Recent (layer, expert) accesses per second."""
-        return self.counts.sum() / self._decay.weight(now) / self._decay.time_constant_s
+        return self.recent_accesses(now) / self._decay.time_constant_s

@@ -30,7 +30,7 @@ import numpy as np
 
 from mox.errors import MoxError
 from mox.messages import ModelState
-from mox.router.planner import ModelDemand, plan_slots, settle
+from mox.router.planner import ModelDemand, plan_slots, run_slots, settle
 
 # A miss's read when none has been measured yet: a cold NVMe-class read (DESIGN.md's machine
 # facts: 1.5-2.5 GB/s sequential), the pessimistic end.
@@ -38,6 +38,10 @@ DEFAULT_READ_BYTES_PER_S = 1.5e9
 # What a miss adds beyond its bytes: an I/O thread's hand-off and a wave boundary in the step
 # (~0.1-0.3 ms on this machine's 2 cores).
 MISS_OVERHEAD_S = 2e-4
+# A cold model waits for room at its run size at most this long; then it is admitted at its
+# minimum (the busy models' floors shrink toward their working sets), so a model that never
+# idles cannot starve the others. Several bench-size requests' worth of decode.
+ADMISSION_PATIENCE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class ModelView:
     num_layers: int = 1                     # MoE layers (the working set is top_k per layer)
     hit_rates: np.ndarray | None = None     # [N + 1] H(S) of its pool's recent accesses
     accesses_per_request: float = 0.0       # (layer, expert) accesses one request makes
+    recent_accesses: float = 0.0            # decayed count behind `hit_rates`
     read_bytes_per_s: float | None = None   # what its expert reads achieved (None: none yet)
     resized_ago_s: float = math.inf         # since its pool's size last changed
     priority: float = 1.0                   # the operator's weight on its value
@@ -68,6 +73,11 @@ class ModelView:
         """What one miss costs: reading the expert, plus its share of a step's stall."""
         bandwidth = self.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
         return self.expert_nbytes / bandwidth + MISS_OVERHEAD_S
+
+    @property
+    def run_slots(self) -> int:
+        """The pool it runs at without thrashing (mox.router.planner.run_slots)."""
+        return run_slots(_hit_rates(self), self.recent_accesses)
 
     @property
     def holds_device_memory(self) -> bool:
@@ -83,6 +93,7 @@ class ModelView:
 class MemoryView:
     budget_bytes: int | None        # device bytes for dense weights + expert slots
     models: tuple[ModelView, ...]
+    now: float = 0.0                # the clock the view's times are on
 
     def holding(self) -> list[ModelView]:
         return [m for m in self.models if m.holds_device_memory]
@@ -126,6 +137,10 @@ class MemoryPolicy:
             return model.dense_nbytes + model.max_slots * model.expert_nbytes
         return model.dense_nbytes + model.top_k * model.expert_nbytes
 
+    def admission_bytes(self, model: ModelView, budget: int | None) -> int:
+        """Device bytes the model holds room for while it has work (admission's unit)."""
+        return self.minimum_bytes(model)
+
     def check_fits(self, view: MemoryView, name: str) -> None:
         """The model's minimum must fit beside every pinned model's."""
         model, budget = _find(view, name), self.budget(view)
@@ -154,15 +169,22 @@ class MemoryPolicy:
         return Admitted(view, tuple(park), tuple(load))
 
     def make_room(self, view: MemoryView, model: ModelView) -> Admitted:
-        """Park idle models (lowest `park_order` first) until `model`'s minimum fits beside
-        the minimums of the models that hold memory; `load` is (model,) if it then fits."""
+        """Park idle models (lowest `park_order` first) until `model`'s admission bytes fit
+        beside those of the models that hold memory (minimums, once it has waited
+        `ADMISSION_PATIENCE_S`); `load` is (model,) if it then fits, or if only pinned models
+        hold memory then (nothing would free more: it runs in what is left, which `check_fits`
+        ensured is at least its minimum)."""
         budget, parked = self.budget(view), []
+        patient = view.now - model.oldest_arrival < ADMISSION_PATIENCE_S
+        size = ((lambda m: self.admission_bytes(m, budget)) if patient else self.minimum_bytes)
         while budget is not None:
-            committed = sum(self.minimum_bytes(m) for m in view.holding())
-            if committed + self.minimum_bytes(model) <= budget:
+            committed = sum(size(m) for m in view.holding())
+            if committed + size(model) <= budget:
                 break
             idle = [m for m in view.holding() if m.is_idle_warm]
             if not idle:
+                if all(m.pinned for m in view.holding()):
+                    break
                 return Admitted(view, tuple(parked))
             victim = min(idle, key=self.park_order)
             view = view.with_state(victim.name, ModelState.COLD)
@@ -195,9 +217,18 @@ class MemoryPolicy:
 
 class PlannedMemory(MemoryPolicy):
     """`rate`: expert slots follow request rates and expert popularity (mox.router.planner);
-    the host cache is shared by rate too."""
+    the host cache is shared by rate too. A model with work is admitted at its run size (the
+    knee of its miss-ratio curve; every expert until the curve is known), at most the budget."""
 
     plans_host_cache = True
+
+    def admission_bytes(self, model: ModelView, budget: int | None) -> int:
+        if model.pinned or not model.has_work:
+            return self.minimum_bytes(model)
+        slots = max(model.top_k, model.run_slots)
+        if budget is not None:
+            slots = min(slots, (budget - model.dense_nbytes) // model.expert_nbytes)
+        return model.dense_nbytes + max(model.top_k, slots) * model.expert_nbytes
 
     def divide(self, view: MemoryView) -> dict[str, int]:
         holding = view.holding()
@@ -207,7 +238,7 @@ class PlannedMemory(MemoryPolicy):
         demands = [ModelDemand(m.name, m.request_rate, m.has_work, _hit_rates(m),
                                m.accesses_per_request, m.miss_cost_s, m.expert_nbytes, m.top_k,
                                m.num_layers, m.num_slots, m.resized_ago_s, m.priority,
-                               m.pinned) for m in holding]
+                               m.pinned, m.run_slots) for m in holding]
         slots = settle(plan_slots(demands, budget), demands)
         return {m.name: slots.get(m.name, 0) for m in view.models}
 

@@ -10,9 +10,15 @@ Design note.
   concave hull in indivisible blocks, so the planner gives such a model all of the cliff or
   none of it; whole residency of a hot model and nothing for an idle one fall out of this.
 - Floors first: a pinned model holds every expert; a model with queued or running requests
-  gets its working set (one token's experts in every MoE layer: top_k x layers), or just
-  top_k, the least a step can run on (in waves), when the busy models' working sets do not
-  fit together.
+  gets its run size (`run_slots`: the smallest pool whose miss rate is within
+  `RUN_EXTRA_MISS_RATE` of a whole pool's on its curve, every expert while the curve has too
+  little history), which admission (mox.router.memory_policy) makes room for before the
+  model may run. A busy model below it re-reads experts every token and slows every model
+  that shares the disk and the cores, so waiting for room, as model-swap does, is better:
+  model-swap's behaviour is this rule with run size = every expert. Where the run sizes do
+  not fit together (a model admitted after waiting too long, a pinned model), the models
+  that hold theirs keep them and the others get working sets (one token's experts in every
+  MoE layer: top_k x layers), or top_k, the least a step can run on (in waves).
 - Hysteresis: slots a model holds now count `HYSTERESIS` more, so a small wobble in the
   rates does not move slots back and forth (each move costs a disk read).
 - Leftover budget goes to models' next slots even at zero value: memory that nobody wants is
@@ -44,6 +50,13 @@ RESIZE_DEADBAND = 0.125
 RESIZE_MIN_INTERVAL_S = 5.0
 # Sizes at which a miss-ratio curve is read when planning (see `_hull_segments`).
 HULL_POINTS = 257
+# A busy model runs at the smallest pool whose miss rate is at most this much above a whole
+# pool's: 5% of a bench olmoe's 64 accesses a token is ~3 extra 1.5 MiB reads (~3 ms at
+# 1.5 GB/s) on an ~80 ms token.
+RUN_EXTRA_MISS_RATE = 0.05
+# A curve is trusted for the run size once its recent accesses number this many times the
+# keys it spans (fewer: a first request's prefill and a few tokens, which see little reuse).
+RUN_MIN_HISTORY = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class ModelDemand:
     resized_ago_s: float = float("inf")    # since the pool's size last changed
     priority: float = 1.0          # the operator's weight on this model's value
     pinned: bool = False           # the operator's: every expert, always
+    run_slots: int = 0             # its run size (`run_slots()`; 0: its working set)
 
     @property
     def max_slots(self) -> int:
@@ -69,6 +83,11 @@ class ModelDemand:
     @property
     def working_set(self) -> int:
         return min(self.max_slots, self.top_k * self.num_layers)
+
+    @property
+    def run_floor(self) -> int:
+        """Below this a busy model's steps miss more than they should."""
+        return min(self.max_slots, max(self.working_set, self.run_slots))
 
     @property
     def value_scale(self) -> float:
@@ -114,20 +133,31 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
     return plan
 
 
+def run_slots(hit_rates: np.ndarray, recent_accesses: float) -> int:
+    """The smallest pool whose LRU miss rate is within `RUN_EXTRA_MISS_RATE` of a whole
+    pool's on the curve; every slot while the curve has less than `RUN_MIN_HISTORY` accesses
+    per key (a model not yet seen runs whole, as model-swap would run it)."""
+    num_slots = len(hit_rates) - 1
+    if recent_accesses < RUN_MIN_HISTORY * num_slots:
+        return num_slots
+    enough = hit_rates >= hit_rates[-1] - RUN_EXTRA_MISS_RATE
+    return int(np.argmax(enough))
+
+
 def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
     """The plan without its small resizes (`RESIZE_DEADBAND`) and without resizing a pool
-    twice within `RESIZE_MIN_INTERVAL_S`, except to grow a pool below its working set (its
-    steps run in waves). A model with its working set keeps its slots then and waits to grow
-    until the room is free; if that is not enough (a model below its working set needs room),
-    the planned shrinks apply. The result never needs more than the budget."""
+    twice within `RESIZE_MIN_INTERVAL_S`, except to grow a pool below its run floor (its
+    steps miss, or run in waves). A model at its floor keeps its slots then and waits to grow
+    until the room is free; if that is not enough (a model below its floor needs room), the
+    planned shrinks apply. The result never needs more than the budget."""
     by_name = {d.name: d for d in demands}
     settled = {}
     for d in demands:
         planned, held = plan.slots[d.name], d.current_slots
         small = abs(planned - held) < max(d.top_k, RESIZE_DEADBAND * held)
         recent = d.resized_ago_s < RESIZE_MIN_INTERVAL_S
-        # below its working set a step runs in waves: such a pool may always grow
-        hold = small or (recent and (planned < held or held >= d.working_set))
+        # below its run floor a step misses (or runs in waves): such a pool may always grow
+        hold = small or (recent and (planned < held or held >= d.run_floor))
         # a pinned model holds every expert: no band keeps it below that
         settled[d.name] = (held if hold and planned and held >= d.top_k and not d.pinned
                            else planned)
@@ -140,7 +170,7 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
     if fits(settled):
         return settled
     waiting = {n: min(k, by_name[n].current_slots)
-               if by_name[n].current_slots >= by_name[n].working_set else k
+               if by_name[n].current_slots >= by_name[n].run_floor else k
                for n, k in settled.items()}                           # growth waits
     if fits(waiting):
         return waiting
@@ -148,8 +178,10 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
 
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
-    """Pinned models whole; then the working sets of the busy models if they fit beside
-    them, else top_k each."""
+    """Pinned models whole; then the busy models' working sets (top_k each if those do not
+    fit), raised to their run floors one model at a time while they fit: first those that
+    hold their run floor now (a newcomer does not squeeze a model that runs well), then by
+    value."""
     floors = {d.name: d.max_slots for d in demands if d.pinned}
     busy = [d for d in demands if d.has_work and not d.pinned]
     working = {d.name: d.working_set for d in busy}
@@ -161,6 +193,11 @@ def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     assert _nbytes(floors, demands) <= budget_bytes, (
         "the budget holds every expert of the pinned models and top_k of the busy ones; the "
         "router checks this")
+    for d in sorted(busy, key=lambda d: (d.current_slots >= d.run_floor, d.value_scale),
+                    reverse=True):
+        raised = floors | {d.name: max(floors[d.name], d.run_floor)}
+        if _nbytes(raised, demands) <= budget_bytes:
+            floors = raised
     return {d.name: floors.get(d.name, 0) for d in demands}
 
 

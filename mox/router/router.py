@@ -226,10 +226,13 @@ class Router:
         now = self.clock()
         self.admission.check(model.name, self.engine.num_waiting(model.name),
                              sum(self.engine.num_waiting(name) for name in self.models), now)
+        idle = model.state == ModelState.WARM and not self.has_requests(model.name)
         self.engine.add_request(request)            # validates the prompt
         self.admission.track(request.request_id, model.name, now)
         model.traffic.on_arrival(now)
         model.last_active = now
+        if idle:
+            self._readmit(model)
         if model.state == ModelState.COLD:
             self._try_start_loads()
         elif model.pool.num_slots == 0:
@@ -383,9 +386,24 @@ class Router:
             if due is not None and now > due:
                 self.park(model)
 
+    def _readmit(self, model: ServedModel) -> None:
+        """A warm idle model's first request: it runs now if the policy would admit it cold
+        (parking idle models to make room, as for a cold one); otherwise it is parked and waits
+        for admission like a cold model, since a pool squeezed below its run size would slow
+        every busy model (mox.router.planner)."""
+        view = self._view().with_state(model.name, ModelState.COLD)
+        admitted = self.policy.admit(view)
+        if model.name not in admitted.load:
+            self.park(model)
+            return
+        load = tuple(name for name in admitted.load if name != model.name)
+        plan_view = admitted.view.with_state(model.name, ModelState.WARM)
+        self._apply(MemoryPlan(self.policy.plan_slots(plan_view), admitted.park, load))
+
     def park(self, model: ServedModel) -> None:
-        """Take the (idle) model's weights and expert slots off the device."""
-        assert model.state == ModelState.WARM and not self.has_requests(model.name)
+        """Take the model's weights and expert slots off the device (it runs no sequence; it
+        may have some waiting, which wait for it to load again)."""
+        assert model.state == ModelState.WARM and self.engine.num_running(model.name) == 0
         self.engine.set_weights(model.name, None)
         model.decoder, model.state = None, ModelState.COLD
         self.residency.apply({model.name: 0})

@@ -26,7 +26,7 @@ def memory_view(models: dict[str, ServedModel], budget_bytes: int | None,
     bandwidth = sum(d.bytes_read for d in demands.values()) / seconds if seconds else None
     return MemoryView(budget_bytes, tuple(
         _model_view(m, demands[m.name], bandwidth, has_requests(m.name),
-                    oldest_arrival(m.name), now) for m in pooled))
+                    oldest_arrival(m.name), now) for m in pooled), now)
 
 
 def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | None,
@@ -40,7 +40,7 @@ def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | No
         # (bench/results/harness-honest/README.md)
         request_rate=m.traffic.request_rate(now), last_active=m.last_active,
         oldest_arrival=oldest_arrival, num_layers=m.pool.num_moe_layers,
-        hit_rates=demand.hit_rates,
+        hit_rates=demand.hit_rates, recent_accesses=demand.recent_accesses,
         accesses_per_request=demand.access_rate / minute_rate if minute_rate > MIN_RATE else 0.0,
         read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
         priority=m.settings.priority, pinned=m.settings.pin)

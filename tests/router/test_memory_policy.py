@@ -7,22 +7,33 @@ import pytest
 
 from mox.errors import MoxError
 from mox.messages import ModelState
-from mox.router.memory_policy import MemoryPlan, MemoryView, ModelView, make_memory_policy
+from mox.router.memory_policy import (
+    ADMISSION_PATIENCE_S,
+    MemoryPlan,
+    MemoryView,
+    ModelView,
+    make_memory_policy,
+)
 
 DENSE, EXPERT, TOP_K, LAYERS, EXPERTS = 1000, 100, 2, 2, 8
 ALL = LAYERS * EXPERTS                      # every expert of a model: 16 slots
 
 
+# H(S) of a model whose accesses reuse TOP_K experts: its run size is TOP_K slots
+STEEP = np.minimum(1.0, np.arange(ALL + 1) / TOP_K)
+# ... and of one with no locality (uniform accesses): it runs well only with every expert
+UNIFORM = np.linspace(0.0, 1.0, ALL + 1)
+
+
 def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
           rate: float = 0.0, last_active: float = 0.0, arrival: float = float("inf"),
-          slots: int = 0) -> ModelView:
-    hit_rates = np.linspace(0.0, 1.0, ALL + 1)        # no locality: every slot alike
+          slots: int = 0, curve: np.ndarray = STEEP, history: float = 100.0 * ALL) -> ModelView:
     return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
-                     arrival, LAYERS, hit_rates, accesses_per_request=10.0)
+                     arrival, LAYERS, curve, accesses_per_request=10.0, recent_accesses=history)
 
 
-def view(budget: int | None, *models: ModelView) -> MemoryView:
-    return MemoryView(budget, models)
+def view(budget: int | None, *models: ModelView, now: float = 0.0) -> MemoryView:
+    return MemoryView(budget, models, now)
 
 
 def admit_and_plan(policy: str, v: MemoryView) -> MemoryPlan:
@@ -63,6 +74,34 @@ def test_a_cold_model_waits_while_only_busy_models_hold_the_memory(policy, held)
              model("cold", ModelState.COLD, busy=True, arrival=1.0))
     result = admit_and_plan(policy, v)
     assert result.load == () and result.park == () and result.slots["cold"] == 0
+
+
+def test_rate_admits_a_busy_model_only_at_its_run_size():
+    budget = 2 * DENSE + 20 * EXPERT
+    busy = model("busy", busy=True, rate=1.0, slots=ALL, curve=UNIFORM)
+    for curve, history, admitted in ((STEEP, 100.0 * ALL, True),     # knee at top_k slots
+                                     (UNIFORM, 100.0 * ALL, False),  # needs all 16
+                                     (STEEP, 1.0, False)):           # unknown yet: all 16
+        cold = model("cold", ModelState.COLD, busy=True, arrival=0.0, curve=curve,
+                     history=history)
+        plan = admit_and_plan("rate", view(budget, busy, cold))
+        assert plan.load == (("cold",) if admitted else ())
+        # the busy model keeps its run size either way: no slot is taken from under it
+        assert plan.slots["busy"] == ALL
+    # a model that has waited too long is admitted at its minimum (the floors fall back to
+    # working sets; the rest goes by value)
+    late = view(budget, busy, model("cold", ModelState.COLD, busy=True, arrival=0.0,
+                                    curve=UNIFORM), now=ADMISSION_PATIENCE_S + 1.0)
+    plan = admit_and_plan("rate", late)
+    assert plan.load == ("cold",) and plan.slots["cold"] >= TOP_K * LAYERS
+    assert plan_bytes(plan, late) <= budget
+
+
+def test_a_run_size_larger_than_the_budget_runs_in_what_the_budget_holds():
+    v = view(DENSE + 10 * EXPERT, model("only", ModelState.COLD, busy=True, arrival=0.0,
+                                        curve=UNIFORM))
+    plan = admit_and_plan("rate", v)
+    assert plan.load == ("only",) and plan.slots["only"] == 10
 
 
 def test_cold_models_are_admitted_oldest_request_first():

@@ -11,9 +11,11 @@ from mox.pager.usage import ExpertUsage
 from mox.router.planner import (
     HYSTERESIS,
     RESIZE_MIN_INTERVAL_S,
+    RUN_EXTRA_MISS_RATE,
     ModelDemand,
     Plan,
     plan_slots,
+    run_slots,
     settle,
 )
 from mox.router.rates import DecayedRate, ModelTraffic
@@ -37,10 +39,29 @@ def scan_curve(num_slots=16) -> np.ndarray:
 
 
 def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, skew=1.0,
-            resized_ago_s=float("inf"), curve=None, priority=1.0, pinned=False):
+            resized_ago_s=float("inf"), curve=None, priority=1.0, pinned=False, run=0):
     curve = popularity_curve(layers, experts, skew) if curve is None else curve
     return ModelDemand(name, rate, has_work, curve, ACCESSES_PER_REQUEST, MISS_COST_S, NBYTES,
-                       top_k, layers, current, resized_ago_s, priority, pinned)
+                       top_k, layers, current, resized_ago_s, priority, pinned, run)
+
+
+def test_the_run_size_is_the_knee_of_the_curve_or_everything_while_unknown():
+    knee = np.concatenate([np.linspace(0.0, 0.9, 11), np.full(6, 0.92)])   # 16 slots
+    assert run_slots(knee, recent_accesses=1000.0) == 10     # within 5% of H(16) = 0.92
+    assert run_slots(knee, recent_accesses=5.0) == 16        # too little history: whole
+    assert run_slots(np.zeros(17), recent_accesses=1000.0) == 0      # no reuse: no size helps
+    uniform = np.linspace(0.0, 1.0, 17)
+    assert run_slots(uniform, 1000.0) == int(np.ceil(16 * (1 - RUN_EXTRA_MISS_RATE)))
+
+
+def test_busy_models_get_their_run_size_as_a_floor_when_it_fits():
+    plan = plan_slots([_demand("a", 0.1, run=12), _demand("b", 10.0, skew=3.0)], 20 * NBYTES)
+    assert plan.slots["a"] >= 12                  # though b's slots are worth more
+    # run sizes that do not fit together: the model holding its run size keeps it, the
+    # newcomer gets its working set (4) and what is left
+    plan = plan_slots([_demand("a", 0.1, run=12, current=12), _demand("b", 10.0, run=12)],
+                      20 * NBYTES)
+    assert plan.slots == {"a": 12, "b": 8}
 
 
 def test_slots_follow_the_rates():
