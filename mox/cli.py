@@ -61,6 +61,12 @@ def _serve(args: argparse.Namespace) -> int:
         dense_idle_s=args.idle_timeout,
         compute_threads=args.compute_threads, step_log=args.step_log,
         direct_io=not args.buffered_io)
+    tiered = config.one_ram_tier()
+    if tiered != config:
+        logging.info("on a CPU the host cache is the slots' RAM: --host-memory %s joins the "
+                     "expert slots (device budget %s bytes)", args.host_memory,
+                     tiered.device_memory)
+    config = tiered
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config)
     return asyncio.run(serve(options))
@@ -79,7 +85,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--device-memory", help="bytes for dense weights + experts of all "
                        "models, e.g. 4GiB (default: no limit)")
-    serve.add_argument("--host-memory", help="RAM cache of expert bytes (default: off)")
+    serve.add_argument("--host-memory", help="RAM cache of expert bytes (default: off; on a "
+                       "CPU it joins the expert slots: one RAM tier)")
     serve.add_argument("--kv-memory", default="1GiB", help="KV cache pool for all models")
     serve.add_argument("--policy", default="rate", choices=ROUTER_POLICIES)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also "

@@ -77,11 +77,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(path)
     failed = False
     for suite in results.suites:
-        t = suite.targets
-        fmt = lambda v: "-" if v is None else f"{v:.2f}x"
-        print(f"[{suite.name}] rate vs model-swap: p99 TTFT {fmt(t.p99_ttft_vs_model_swap)} "
-              f"(target <= 0.33x), goodput {fmt(t.goodput_vs_model_swap)} (>= 2x); vs "
-              f"all-resident: throughput {fmt(t.throughput_vs_all_resident)} (>= 0.8x)")
+        measured = [f"{t.figure} vs {t.baseline} {t.ratio:.2f}x "
+                    f"({'<=' if t.at_most else '>='} {t.bound:.2f}x: "
+                    f"{'met' if t.met else 'missed'})" for t in suite.targets if t.met is not None]
+        print(f"[{suite.name}] rate: " + ("; ".join(measured) or "no baseline ran"))
         failed |= any(p.error is not None or not p.counts.ok for p in suite.policies)
     return 1 if failed else 0
 

@@ -114,11 +114,12 @@ def serve_loaded(engine, name: str, model, tokenizer=None, eos_token_ids=()) -> 
     engine.set_weights(name, model)
 
 
-def tiny_router(path: str, name: str = "olmoe", **config):
-    """A router serving one tiny checkpoint in fp32, warmed up."""
+def tiny_router(path: str, name: str = "olmoe", whole: bool | None = None, **config):
+    """A router serving one tiny checkpoint in fp32, warmed up (`whole`: with every expert
+    read; None: as the policy loads)."""
     from mox.router import Router, RouterConfig
 
     config = {"dtype": "float32", "kv_memory": 64 << 20, **config}
     router = Router({name: path}, RouterConfig(**config))
-    router.warm_up(name)
+    router.warm_up(name, whole)
     return router

@@ -97,7 +97,9 @@ class ServerProcess:
                  log_path: str) -> None:
         self.argv = [sys.executable, "-m", "mox.cli", "serve", "--home", registry_home,
                      "--port", "0", "--policy", policy, "--device-memory", str(budget),
-                     "--kv-memory", config.kv_memory]
+                     "--kv-memory", config.kv_memory,
+                     # the per-step timeline (which model stepped, its ms, what it waited on)
+                     "--step-log", os.path.splitext(log_path)[0] + ".steps.jsonl"]
         if config.host_memory:
             self.argv += ["--host-memory", config.host_memory]
         self.log_path = log_path

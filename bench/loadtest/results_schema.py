@@ -8,7 +8,7 @@ import msgspec
 from mox.bench.loadtest.routing_stats import RoutingStats
 from mox.bench.loadtest.workload import LengthDistribution
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class SLO(msgspec.Struct):
@@ -97,6 +97,7 @@ class TimelinePoint(msgspec.Struct):
     resident_bytes: dict[str, float]
     request_rate: dict[str, float]
     page_cache_bytes: float = 0.0       # checkpoint files in the OS page cache (all models)
+    bytes_read: float = 0.0             # expert bytes read so far (all models, disk and host)
 
 
 class RequestRecord(msgspec.Struct, omit_defaults=True):
@@ -138,16 +139,15 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     requests: list[RequestRecord] = []
 
 
-class Targets(msgspec.Struct):
-    """rate / model-swap p99 TTFT (target <= 1/3), rate / model-swap goodput (>= 2),
-    rate / all-resident throughput (>= 0.8); None where a policy is missing."""
+class Target(msgspec.Struct):
+    """One of the issue's targets: rate's figure / a baseline's, in the same run."""
 
-    p99_ttft_vs_model_swap: float | None
-    goodput_vs_model_swap: float | None
-    throughput_vs_all_resident: float | None
-    met_p99_ttft: bool | None
-    met_goodput: bool | None
-    met_throughput: bool | None
+    figure: str                       # "goodput", "TPOT p50", ...
+    baseline: str                     # the policy compared against
+    bound: float
+    at_most: bool                     # the ratio must be <= bound (else >=)
+    ratio: float | None = None        # None: a policy missing or failed
+    met: bool | None = None
 
 
 class Workload(msgspec.Struct):
@@ -168,7 +168,7 @@ class Suite(msgspec.Struct):
     workload: Workload
     routing: RoutingStats | None
     policies: list[PolicyResult]
-    targets: Targets
+    targets: list[Target]
 
 
 class Results(msgspec.Struct):

@@ -180,6 +180,31 @@ class ModelPool(PagedPool):
             self._start_loads(moe_layer, missing, prefetched=True,
                               protect={moe_layer, *protect_layers})
 
+    def preload(self, experts: dict[int, list[int]]) -> None:
+        """Read `{layer: experts}` into free slots and wait for them: a cold start's read-ahead
+        (counted as prefetches, not as accesses or misses; nothing is evicted for it). Raises
+        what a failed read raised."""
+        every_layer = set(range(self.num_moe_layers))
+        with self._lock:
+            for moe_layer, expert_ids in experts.items():
+                _, _, missing = self._classify(moe_layer, sorted(set(expert_ids)), count=False)
+                self._start_loads(moe_layer, missing, prefetched=True, protect=every_layer)
+            futures = list(self._inflight.values())
+        for future in futures:
+            future.result()            # a read that failed fails the load (naming the file)
+
+    def most_used(self, count: int) -> dict[int, list[int]]:
+        """{layer: experts} of the `count` most used (layer, expert) keys (all of them when
+        `count` covers the model), at most the slots the pool is budgeted now."""
+        with self._lock:
+            count = min(count, self.slot_pool.target_slots)
+            usage = self.usage.probabilities(self.clock())                      # [L, E]
+        chosen: dict[int, list[int]] = {}
+        for flat in usage.ravel().argsort(kind="stable")[::-1][:count]:
+            layer, expert = divmod(int(flat), usage.shape[1])
+            chosen.setdefault(layer, []).append(expert)
+        return {layer: sorted(experts) for layer, experts in sorted(chosen.items())}
+
     def prefetch_popular(self, limit: int) -> int:
         """Start loading up to `limit` of the model's popular experts (used at least
         `POPULAR_OVER_UNIFORM` times as often as uniform routing would) that are not resident,

@@ -8,6 +8,7 @@ park, cold models to load); a policy never touches the router, the pager or the 
 Interface:
     eviction_policy         the pager's expert eviction policy for every model
     loads_whole_models      a cold start reads every expert too (model-swap, all-resident)
+    preload(model, slots)   experts a cold start reads with the dense weights
     pins_models             weights never leave (all-resident): no idle parking
     plans_host_cache        the host cache is shared by request rate
     check_fits(view, name)  refuse, at registration, a model the budget can never run
@@ -40,8 +41,9 @@ DEFAULT_READ_BYTES_PER_S = 1.5e9
 MISS_OVERHEAD_S = 2e-4
 # A cold model waits for room at its run size at most this long; then it is admitted at its
 # minimum (the busy models' floors shrink toward their working sets), so a model that never
-# idles cannot starve the others. Several bench-size requests' worth of decode.
-ADMISSION_PATIENCE_S = 15.0
+# idles cannot starve the others. Long: admitting it early squeezes every busy pool, and at
+# 15 s the bench (8 models, 0.4 req/s, uniform) spiralled into thrashing (TPOT p50 1.7 s).
+ADMISSION_PATIENCE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,11 @@ class MemoryPolicy:
         """Device bytes the model holds room for while it has work (admission's unit)."""
         return self.minimum_bytes(model)
 
+    def preload(self, model: ModelView, slots: int) -> int:
+        """Experts a load reads with the dense weights, given the slots planned for it: every
+        one for whole-model policies and pinned models, none (paged on demand) otherwise."""
+        return slots if self.loads_whole_models or model.pinned else 0
+
     def check_fits(self, view: MemoryView, name: str) -> None:
         """The model's minimum must fit beside every pinned model's."""
         model, budget = _find(view, name), self.budget(view)
@@ -221,6 +228,11 @@ class PlannedMemory(MemoryPolicy):
     knee of its miss-ratio curve; every expert until the curve is known), at most the budget."""
 
     plans_host_cache = True
+
+    def preload(self, model: ModelView, slots: int) -> int:
+        """Its run size's most used experts (every one while its curve is unknown, as
+        model-swap loads): what its first steps would otherwise miss one wave at a time."""
+        return slots if model.pinned else min(slots, model.run_slots)
 
     def admission_bytes(self, model: ModelView, budget: int | None) -> int:
         if model.pinned or not model.has_work:

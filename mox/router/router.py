@@ -31,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO
 
 import msgspec
@@ -95,6 +95,16 @@ class RouterConfig:
         if self.policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {self.policy!r}; choose from "
                                       f"{ROUTER_POLICIES}", param="policy")
+
+    def one_ram_tier(self) -> RouterConfig:
+        """The server's tiers on a CPU: expert slots and a host cache would be the same RAM,
+        and a page-in from the cache a copy within it, so the host budget joins the slots'
+        (one RAM tier above the disk). Elsewhere, or without a host budget: unchanged."""
+        if resolve_device(self.device).type != "cpu" or not self.host_memory:
+            return self
+        device_memory = (None if self.device_memory is None
+                         else self.device_memory + self.host_memory)
+        return replace(self, device_memory=device_memory, host_memory=None)
 
 
 class Router:
@@ -342,8 +352,16 @@ class Router:
         the offline LLM's warm-up); `whole`: every expert too (None: as the policy loads)."""
         self._mark_loading(model)
         self.replan()
-        whole = self.policy.loads_whole_models if whole is None else whole
-        self._loader.start(model, self.dtype, self.device, whole)
+        if whole is None:
+            preload = self._preload(model)
+        else:
+            preload = model.pool.max_slots if whole else 0
+        self._loader.start(model, self.dtype, self.device, preload)
+
+    def _preload(self, model: ServedModel) -> int:
+        """Experts the policy reads with the model's dense weights (at most its slots)."""
+        view = next(m for m in self._view().models if m.name == model.name)
+        return self.policy.preload(view, model.pool.num_slots)
 
     def _mark_loading(self, model: ServedModel) -> None:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
@@ -426,8 +444,7 @@ class Router:
         if self.policy.plans_host_cache:
             self.residency.share_host_cache()
         for model in loading:
-            self._loader.start(model, self.dtype, self.device,
-                               self.policy.loads_whole_models or model.settings.pin)
+            self._loader.start(model, self.dtype, self.device, self._preload(model))
 
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from (mox.router.views)."""

@@ -68,15 +68,13 @@ def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
 
 
 def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
-                 whole: bool) -> MoEDecoder:
-    """On a loader thread: the dense weights, and with `whole` every expert too (the pool
-    must already have room for all of them)."""
+                 preload: int) -> MoEDecoder:
+    """On a loader thread: the dense weights, then `preload` experts (every one, or the most
+    used; at most the pool's slots). Read here, beside the other models' steps, rather than as
+    misses inside the model's first steps, where every model would wait on them."""
     assert model.ckpt is not None and model.pool is not None
     decoder = load_model(model.ckpt, dtype, device, model.pool)
-    if whole:
-        for moe_layer in range(model.pool.num_moe_layers):
-            experts = range(model.ckpt.spec.num_experts)
-            model.pool.release(model.pool.acquire(moe_layer, experts))
+    model.pool.preload(model.pool.most_used(preload))
     return decoder
 
 
@@ -94,8 +92,8 @@ class WeightLoader:
         self._lock = threading.Lock()
 
     def start(self, model: ServedModel, dtype: torch.dtype, device: torch.device,
-              whole: bool) -> None:
-        future = self._pool.submit(load_weights, model, dtype, device, whole)
+              preload: int) -> None:
+        future = self._pool.submit(load_weights, model, dtype, device, preload)
         future.add_done_callback(lambda f, name=model.name: self._land(name, f))
 
     def _land(self, name: str, future: Future) -> None:

@@ -51,11 +51,12 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
         assert policy.peak_page_cache_bytes <= 4 * PAGE_CACHE_SLACK_PER_MODEL
         assert len(policy.requests) == policy.counts.requests
         assert sum(m.counts.requests for m in policy.per_model) == policy.counts.requests
-    assert suite.targets.p99_ttft_vs_model_swap is not None
-    assert suite.targets.throughput_vs_all_resident is None     # not run
+    found = {(t.figure, t.baseline): t for t in suite.targets}
+    assert found["TTFT p99", "model-swap"].ratio is not None
+    assert found["goodput", "all-resident"].ratio is None        # not run
     markdown = (out / "results.md").read_text()
-    assert "| rate |" in markdown and "model-swap p99 TTFT" in markdown
-    for plot in ("ttft-cdf", "resident-bytes", "request-rate"):
+    assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
+    for plot in ("ttft-cdf", "tpot-cdf", "bytes-read", "resident-bytes", "request-rate"):
         assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
 
 
@@ -80,19 +81,28 @@ def test_summary_goodput_rule_and_target_ratios():
     assert meets_slo(fast, SLO(200, 100.1)) and not meets_slo(fast, SLO(200, 99))
     assert not meets_slo(fast, SLO(50, 1000))
 
-    def policy(name, p99, goodput, throughput):
-        from mox.bench.loadtest.results_schema import Counts, Latency
+    def policy(name, p99, goodput, tpot, nbytes):
+        from mox.bench.loadtest.results_schema import Counts, Latency, Pager
 
-        ttft = Summary(1, p99, p99, p99, p99)
+        ttft, tpots = Summary(1, p99, p99, p99, p99), Summary(1, tpot, tpot, tpot, tpot)
         return PolicyResult(policy=name, counts=Counts(1, 1, 0, 0, 1, 1),
-                            latency=Latency(ttft, ttft, ttft, ttft, ttft, ttft),
-                            goodput_requests_per_s=goodput, throughput_tokens_per_s=throughput)
+                            latency=Latency(ttft, tpots, ttft, ttft, ttft, ttft),
+                            goodput_requests_per_s=goodput,
+                            pager=Pager(0, 0, None, nbytes, 0))
 
-    t = targets([policy("rate", 1.0, 4.0, 90.0), policy("model-swap", 4.0, 1.0, 50.0),
-                 policy("all-resident", 0.5, 5.0, 100.0)])
-    assert (t.p99_ttft_vs_model_swap, t.goodput_vs_model_swap) == (0.25, 4.0)
-    assert t.throughput_vs_all_resident == pytest.approx(0.9)
-    assert t.met_p99_ttft and t.met_goodput and t.met_throughput
+    found = {(t.figure, t.baseline): t for t in targets(
+        [policy("rate", 1.0, 4.0, 0.1, 100), policy("model-swap", 4.0, 1.0, 0.05, 400),
+         policy("all-resident", 0.5, 5.0, 0.09, 0)])}
+    assert found["TTFT p99", "model-swap"].ratio == 0.25 and found["TTFT p99", "model-swap"].met
+    assert found["goodput", "model-swap"].ratio == 4.0 and found["goodput", "model-swap"].met
+    assert found["goodput", "all-resident"].ratio == 0.8 and found["goodput", "all-resident"].met
+    assert found["TPOT p50", "all-resident"].ratio == pytest.approx(1.11, abs=0.01)
+    assert found["bytes read", "model-swap"].met and found["bytes read", "model-swap"].ratio == 0.25
+    assert found["TTFT p99", "lru"].ratio is None and found["TTFT p99", "lru"].met is None
+    # a baseline that met no SLO: rate's goodput is infinitely better, not undefined
+    zero = {(t.figure, t.baseline): t for t in targets(
+        [policy("rate", 1.0, 4.0, 0.1, 1), policy("model-swap", 4.0, 0.0, 0.1, 1)])}
+    assert zero["goodput", "model-swap"].ratio == float("inf")
 
 
 def test_routing_statistics_on_known_patterns():

@@ -328,3 +328,12 @@ def test_prefetch_popular_skips_uniform_usage(ckpt):
     pool.resize(0)
     pool.resize(8)
     assert pool.prefetch_popular(limit=8) == 0
+
+
+def test_most_used_picks_the_busiest_experts_within_the_budget(ckpt):
+    pool = new_pool(ckpt, num_slots=4)
+    for _ in range(5):
+        pool.release(pool.acquire(1, [2, 5]))
+    pool.release(pool.acquire(0, [7]))
+    assert pool.most_used(3) == {0: [7], 1: [2, 5]}
+    assert sum(map(len, pool.most_used(100).values())) == 4        # at most the slots

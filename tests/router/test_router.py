@@ -265,14 +265,14 @@ def test_all_resident_loads_everything_and_never_evicts(hf_checkpoints):
     router = _router(hf_checkpoints, clock=clock, policy="all-resident")
     for model in "ab":
         router.warm_up(model)
-    loaded = {m: router.models[m].pool.stats()["misses"] for m in "ab"}
+    loaded = {m: router.models[m].pool.stats()["prefetches"] for m in "ab"}
     assert loaded == {"a": 16, "b": 16}                    # every expert read at start-up
     for i in range(6):
         router.add_request(Request(f"r{i}", "ab"[i % 2], [3 + i, 4], _params(3)))
     _run(router, clock, _finished([f"r{i}" for i in range(6)]))
     for model in "ab":
         stats = router.models[model].pool.stats()
-        assert stats["evictions"] == 0 and stats["misses"] == loaded[model]
+        assert stats["evictions"] == 0 and stats["misses"] == 0
         assert stats["num_slots"] == 16
         assert router.models[model].num_loads == 1
 
@@ -375,3 +375,29 @@ def test_a_grown_pool_prefetches_popular_experts_only_where_prefetch_is_on(hf_ch
     router.models["a"].pool.wait_for_loads()
     started = router.models["a"].pool.stats()["prefetches"] - before
     assert (started > 0) == prefetch
+
+
+def test_on_a_cpu_the_host_budget_joins_the_slots():
+    config = RouterConfig(device_memory=1000, host_memory=500)
+    assert config.one_ram_tier() == RouterConfig(device_memory=1500, host_memory=None)
+    assert RouterConfig(host_memory=500).one_ram_tier().host_memory is None      # no limit
+    assert RouterConfig(device_memory=1000).one_ram_tier() == RouterConfig(device_memory=1000)
+
+
+@pytest.mark.parametrize("policy, ahead", [("rate", "all"), ("model-swap", "all"),
+                                           ("lru", "none")])
+def test_a_cold_start_reads_its_run_size_with_the_dense_weights(hf_checkpoints, policy, ahead):
+    """rate reads a model it has no curve for whole (its run size), as model-swap does, on the
+    loader thread; lru pages every expert on demand."""
+    router = _router(hf_checkpoints, names=("a",), experts=16, policy=policy)
+    router.add_request(Request("r", "a", [3], _params(1)))
+    model = router.models["a"]
+    for _ in range(100):                                         # bounded
+        if model.state == ModelState.WARM:
+            break
+        assert router.wake.wait(30), "the load never landed"
+        router.wake.clear()
+        router.step()
+    stats = model.pool.stats()
+    assert stats["prefetches"] == (16 if ahead == "all" else 0)
+    assert (stats["misses"] == 0) == (ahead == "all")            # its first step hit them all
