@@ -203,8 +203,26 @@ async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry
                      load_average_1m=load)
 
 
+def ram_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def unrunnable(plan: SuitePlan, policy: str, ram: int) -> str | None:
+    """Why a policy cannot run this suite on this machine (None: it can): all-resident holds
+    every model's weights at once, which must fit in RAM."""
+    weights = plan.dense_bytes + plan.expert_bytes
+    if policy == "all-resident" and weights > ram:
+        return (f"all-resident cannot run here: the {len(plan.models)} models' weights are "
+                f"{weights / 2**30:.1f} GiB and this machine has {ram / 2**30:.1f} GiB of RAM")
+    return None
+
+
 async def _run_policy_safely(config: BenchConfig, plan: SuitePlan, policy: str,
                              registry_home: str, log_dir: str) -> RunRecord:
+    why = unrunnable(plan, policy, ram_bytes())
+    if why is not None:
+        return RunRecord(policy, [], [], None, None, 0.0, None, error=why)
     try:
         return await run_policy(config, plan, policy, registry_home, log_dir)
     except HarnessError as e:

@@ -11,6 +11,7 @@ import msgspec
 from mox.bench.loadtest.plots import MiB, plot_suite
 from mox.bench.loadtest.results_schema import Results, Suite, Target
 from mox.bench.loadtest.routing_stats import RoutingStats
+from mox.bench.loadtest.step_summary import table as step_table
 
 RESULTS_FILE, MARKDOWN_FILE = "results.json", "results.md"
 
@@ -22,8 +23,11 @@ def write_report(results: Results, out: str) -> list[str]:
     with open(paths[0], "wb") as f:
         f.write(msgspec.json.encode(results) + b"\n")
     plots = [p for suite in results.suites for p in plot_suite(suite, out)]
+    steps = step_table(os.path.join(out, "logs"))
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(markdown(results, [os.path.basename(p) for p in plots]))
+        if steps.count("\n") > 1:
+            f.write("\n## Per-step timelines (logs/*.steps.jsonl)\n\n" + steps + "\n")
     return paths + plots
 
 
@@ -65,8 +69,12 @@ def prefetch_line(suite: Suite) -> str:
     """How well the predictions that loaded experts ahead of use did, per policy."""
     cells = [f"{p.policy} {p.pager.prefetch_hits}/{p.pager.prefetches}"
              for p in suite.policies if p.error is None and p.pager.prefetches]
-    return ("Prefetch (predicted experts used / loaded): " + ", ".join(cells) if cells
+    line = ("Prefetch (predicted experts used / loaded): " + ", ".join(cells) if cells
             else "Prefetch: none (off on a CPU by default).")
+    preloads = [f"{p.policy} {p.pager.preloads}" for p in suite.policies
+                if p.error is None and p.pager.preloads]
+    return line + (" Preloaded with cold starts (experts): " + ", ".join(preloads) + "."
+                   if preloads else "")
 
 
 def per_model_table(suite: Suite) -> list[str]:

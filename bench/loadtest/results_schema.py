@@ -71,6 +71,7 @@ class Pager(msgspec.Struct):
     bytes_read_host: int = 0
     prefetches: int = 0              # experts loaded on a prediction (next layer, popular)
     prefetch_hits: int = 0           # ... that a step then used
+    preloads: int = 0                # read with a cold start's dense weights (its run size)
 
 
 class Counts(msgspec.Struct):

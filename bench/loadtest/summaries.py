@@ -117,7 +117,8 @@ def pager(run: RunRecord, models: list[str]) -> Pager:
                  int(delta("mox:expert_bytes_read_disk_total")),
                  int(delta("mox:expert_bytes_read_host_total")),
                  int(delta("mox:expert_prefetches_total")),
-                 int(delta("mox:expert_prefetch_hits_total")))
+                 int(delta("mox:expert_prefetch_hits_total")),
+                 int(delta("mox:expert_preloads_total")))
 
 
 def makespan(results: list[RequestResult]) -> float:

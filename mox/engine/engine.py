@@ -101,6 +101,10 @@ class Engine:
             entry.runner = ModelRunner(model, entry.kv)
         self.scheduler.set_ready(name, model is not None)
 
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        """The model's experts are still being read in: it steps after every other model."""
+        self.scheduler.set_streaming(name, streaming)
+
     def add_request(self, request: Request) -> None:
         model = self.models.get(request.model)
         if model is None:

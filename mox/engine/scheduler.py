@@ -3,7 +3,9 @@
 Design note.
 - Token-level switching: each step runs one batch of one model. The model whose queue has
   waited longest since it last ran goes next (round robin among models with work, so none
-  starves and a cold model's first request is served between the hot models' steps).
+  starves and a cold model's first request is served between the hot models' steps); a model
+  still streaming its experts in (`set_streaming`) goes after every other model with work,
+  whose steps then do not wait behind its reads.
 - Within a model: running sequences first (decodes, and prefills still in progress), then
   waiting ones in arrival order, until the step's token budget or sequence cap is reached.
   A long prompt is prefilled in chunks of at most the token budget, so it cannot stall the
@@ -56,6 +58,7 @@ class _ModelQueue:
     running: list[Sequence] = field(default_factory=list)
     last_run: float = 0.0
     ready: bool = False               # weights loaded: the model can run
+    streaming: bool = False           # its experts are still being read in: it runs last
 
     @property
     def has_work(self) -> bool:
@@ -81,17 +84,20 @@ class Scheduler:
     def set_ready(self, name: str, ready: bool) -> None:
         self.queues[name].ready = ready
 
+    def set_streaming(self, name: str, streaming: bool) -> None:
+        self.queues[name].streaming = streaming
+
     @property
     def has_work(self) -> bool:
         """Work that can run now (of a model whose weights are loaded)."""
         return any(q.has_work and q.ready for q in self.queues.values())
 
     def schedule(self) -> Batch | None:
-        candidates = [(q.last_run, name) for name, q in self.queues.items()
+        candidates = [(q.streaming, q.last_run, name) for name, q in self.queues.items()
                       if q.has_work and q.ready]
         if not candidates:
             return None
-        _, model = min(candidates)
+        _, _, model = min(candidates)
         queue = self.queues[model]
         queue.last_run = time.monotonic()
         budget = self.config.max_batched_tokens

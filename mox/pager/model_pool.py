@@ -180,18 +180,30 @@ class ModelPool(PagedPool):
             self._start_loads(moe_layer, missing, prefetched=True,
                               protect={moe_layer, *protect_layers})
 
-    def preload(self, experts: dict[int, list[int]]) -> None:
-        """Read `{layer: experts}` into free slots and wait for them: a cold start's read-ahead
-        (counted as prefetches, not as accesses or misses; nothing is evicted for it). Raises
-        what a failed read raised."""
+    def preload(self, experts: dict[int, list[int]], wait: bool = True) -> None:
+        """Read `{layer: experts}` into free slots: a cold start's read-ahead (counted as
+        preloads, not as accesses, misses or predictions; nothing is evicted for it). `wait`:
+        until they land, raising what a failed read raised; otherwise the model's steps take
+        them as they land (streaming: layer L computes while later layers still load) and a
+        failed read fails the step that needs it."""
         every_layer = set(range(self.num_moe_layers))
         with self._lock:
             for moe_layer, expert_ids in experts.items():
                 _, _, missing = self._classify(moe_layer, sorted(set(expert_ids)), count=False)
-                self._start_loads(moe_layer, missing, prefetched=True, protect=every_layer)
-            futures = list(self._inflight.values())
-        for future in futures:
-            future.result()            # a read that failed fails the load (naming the file)
+                started = self._start_loads(moe_layer, missing, prefetched=True,
+                                            protect=every_layer, preload=True)
+                self._preloads += [self._inflight[(moe_layer, e)] for e in started]
+            futures = self._preloads
+        if wait:
+            for future in futures:
+                future.result()        # a read that failed fails the load (naming the file)
+
+    @property
+    def preloading(self) -> bool:
+        """Is a cold start's read-ahead still in flight?"""
+        with self._lock:
+            self._preloads = [f for f in self._preloads if not f.done()]
+            return bool(self._preloads)
 
     def most_used(self, count: int) -> dict[int, list[int]]:
         """{layer: experts} of the `count` most used (layer, expert) keys (all of them when

@@ -67,6 +67,7 @@ class PagedPool:
         self.workspace = MoEWorkspace()
         self.counters = PagerStats()
         self._inflight: dict[ExpertKey, Future] = {}
+        self._preloads: list[Future] = []     # a cold start's read-ahead (`preload`)
         self._resized_at = -math.inf          # when `resize` last changed the slot count
         self.waiting_on: str | None = None    # what a step waits for now (the watchdog reads)
 
@@ -129,13 +130,16 @@ class PagedPool:
                     self.counters.prefetch_unused += 1
 
     def _start_loads(self, moe_layer: int, experts: list[int], prefetched: bool,
-                     protect: set[int] | None = None) -> list[int]:
+                     protect: set[int] | None = None, preload: bool = False) -> list[int]:
+        """Reserve slots for `experts` and queue their reads (a prefetch at its lower
+        priority; a preload is read ahead too, but counted apart from predictions)."""
         pool, stats = self.slot_pool, self.counters
         started = []
         for expert, index in zip(experts, self._claim_slots(len(experts), protect)):
             key = (moe_layer, expert)
-            pool.reserve(index, key, prefetched)
-            stats.prefetches += prefetched
+            pool.reserve(index, key, prefetched and not preload)
+            stats.prefetches += prefetched and not preload
+            stats.preloads += preload
             occupied = pool.num_occupied * pool.expert_nbytes
             stats.peak_resident_bytes = max(stats.peak_resident_bytes, occupied)
             self._inflight[key] = self.loader.reader.submit_call(

@@ -21,6 +21,7 @@ class PagerStats:
     prefetch_hits: int = 0
     prefetches: int = 0
     prefetch_unused: int = 0           # prefetched, then cancelled or evicted before any use
+    preloads: int = 0                  # read with a cold start's dense weights (not guesses)
     bytes_read_disk: int = 0
     bytes_read_host: int = 0
     read_seconds: float = 0.0          # summed over I/O threads

@@ -9,6 +9,8 @@ Interface:
     eviction_policy         the pager's expert eviction policy for every model
     loads_whole_models      a cold start reads every expert too (model-swap, all-resident)
     preload(model, slots)   experts a cold start reads with the dense weights
+    streams_cold_starts     a cold model runs before its preload has landed (its steps wait
+                            for the experts they need; the scheduler runs it last meanwhile)
     pins_models             weights never leave (all-resident): no idle parking
     plans_host_cache        the host cache is shared by request rate
     check_fits(view, name)  refuse, at registration, a model the budget can never run
@@ -125,6 +127,7 @@ class MemoryPlan:
 class MemoryPolicy:
     eviction_policy = "rate"
     loads_whole_models = False
+    streams_cold_starts = False
     pins_models = False
     plans_host_cache = False
     minimum_is = "its dense weights and top_k experts"
@@ -228,6 +231,7 @@ class PlannedMemory(MemoryPolicy):
     knee of its miss-ratio curve; every expert until the curve is known), at most the budget."""
 
     plans_host_cache = True
+    streams_cold_starts = True
 
     def preload(self, model: ModelView, slots: int) -> int:
         """Its run size's most used experts (every one while its curve is unknown, as

@@ -275,6 +275,9 @@ class Router:
             self.replan()
         before = {name: m.pool.step_figures() for name, m in self.models.items()
                   if m.holds_device_memory}
+        for name, m in self.models.items():
+            if m.state == ModelState.WARM:
+                self.engine.set_streaming(name, m.pool.preloading)
         stepped = self.engine.step()
         self._record(self.engine.last_step, before)
         self._account(stepped)
@@ -353,15 +356,19 @@ class Router:
         self._mark_loading(model)
         self.replan()
         if whole is None:
-            preload = self._preload(model)
+            self._start_loader(model)
         else:
-            preload = model.pool.max_slots if whole else 0
-        self._loader.start(model, self.dtype, self.device, preload)
+            self._loader.start(model, self.dtype, self.device,
+                               model.pool.max_slots if whole else 0, stream=False)
 
-    def _preload(self, model: ServedModel) -> int:
-        """Experts the policy reads with the model's dense weights (at most its slots)."""
+    def _start_loader(self, model: ServedModel) -> None:
+        """Its dense weights and the experts the policy reads with them (at most its slots),
+        on the loader thread."""
         view = next(m for m in self._view().models if m.name == model.name)
-        return self.policy.preload(view, model.pool.num_slots)
+        preload = self.policy.preload(view, model.pool.num_slots)
+        self._loader.start(model, self.dtype, self.device, preload,
+                           stream=self.policy.streams_cold_starts and not view.pinned)
+
 
     def _mark_loading(self, model: ServedModel) -> None:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
@@ -444,7 +451,7 @@ class Router:
         if self.policy.plans_host_cache:
             self.residency.share_host_cache()
         for model in loading:
-            self._loader.start(model, self.dtype, self.device, self._preload(model))
+            self._start_loader(model)
 
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from (mox.router.views)."""

@@ -68,13 +68,16 @@ def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
 
 
 def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
-                 preload: int) -> MoEDecoder:
+                 preload: int, stream: bool) -> MoEDecoder:
     """On a loader thread: the dense weights, then `preload` experts (every one, or the most
-    used; at most the pool's slots). Read here, beside the other models' steps, rather than as
-    misses inside the model's first steps, where every model would wait on them."""
+    used; at most the pool's slots), queued as one read-ahead rather than met as misses one
+    wave at a time inside the model's first steps. `stream`: the model is ready once its
+    dense weights are (its steps take the experts as they land, after other models' steps:
+    the scheduler runs a preloading model last); otherwise once every expert has landed (a
+    whole model, as model-swap serves it)."""
     assert model.ckpt is not None and model.pool is not None
     decoder = load_model(model.ckpt, dtype, device, model.pool)
-    model.pool.preload(model.pool.most_used(preload))
+    model.pool.preload(model.pool.most_used(preload), wait=not stream)
     return decoder
 
 
@@ -92,8 +95,8 @@ class WeightLoader:
         self._lock = threading.Lock()
 
     def start(self, model: ServedModel, dtype: torch.dtype, device: torch.device,
-              preload: int) -> None:
-        future = self._pool.submit(load_weights, model, dtype, device, preload)
+              preload: int, stream: bool) -> None:
+        future = self._pool.submit(load_weights, model, dtype, device, preload, stream)
         future.add_done_callback(lambda f, name=model.name: self._land(name, f))
 
     def _land(self, name: str, future: Future) -> None:

@@ -54,6 +54,8 @@ _PAGER_COUNTERS = {
                    "Experts loaded ahead of use (next-layer prediction, popular experts)."),
     "prefetch_hits": ("mox:expert_prefetch_hits_total",
                       "Prefetched experts a step then used: the prediction's hits."),
+    "preloads": ("mox:expert_preloads_total",
+                 "Experts read with a cold start's dense weights (its run size)."),
 }
 _PAGER_GAUGES = {
     "resident_bytes": ("mox:resident_expert_bytes", "Expert bytes resident on the device."),

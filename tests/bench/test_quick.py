@@ -56,6 +56,7 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     assert found["goodput", "all-resident"].ratio is None        # not run
     markdown = (out / "results.md").read_text()
     assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
+    assert "| uniform-rate |" in markdown                      # the per-step timeline table
     for plot in ("ttft-cdf", "tpot-cdf", "bytes-read", "resident-bytes", "request-rate"):
         assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
 
@@ -119,3 +120,31 @@ def test_routing_statistics_on_known_patterns():
     stats = routing_statistics("m", {0: uniform, 1: sticky}, 16, 2)
     assert stats.num_tokens == 4000 and stats.uniform_overlap == 2 / 16
     assert stats.mean_entropy == pytest.approx((u.entropy + s.entropy) / 2)
+
+
+def test_all_resident_is_refused_where_the_weights_exceed_ram():
+    from mox.bench.loadtest.harness import unrunnable
+    from mox.bench.loadtest.workload import SuitePlan
+
+    plan = SuitePlan("uniform", 0.0, {"a": "/a", "b": "/b"}, 2 << 30, 30 << 30, 10 << 30, [])
+    assert "32.0 GiB" in unrunnable(plan, "all-resident", ram=24 << 30)
+    assert unrunnable(plan, "rate", ram=24 << 30) is None
+    assert unrunnable(plan, "all-resident", ram=64 << 30) is None
+
+
+def test_step_summary_reads_a_step_log(tmp_path):
+    from mox.bench.loadtest.step_summary import read_steps, summarize, table
+    from mox.router.timeline import StepRecord
+
+    records = [StepRecord(0.0, "a", 2, 40, 40, 0.5, 0.4, 0.1, 8, 2, 8 << 20),
+               StepRecord(0.5, "a", 2, 2, 0, 0.1, 0.08),
+               StepRecord(12.0, "b", 1, 1, 0, 0.3, 0.1, 0.2, 2, 1, 2 << 20)]
+    path = tmp_path / "uniform-rate.steps.jsonl"
+    path.write_bytes(b"\n".join(msgspec.json.encode(r) for r in records) + b"\n")
+    s = summarize(read_steps(str(path)))
+    assert (s.steps, s.prefill_steps, s.misses) == (3, 1, 10)
+    assert s.span_s == pytest.approx(12.3) and s.busy_s == pytest.approx(0.9)
+    assert s.decode_ms_mean == pytest.approx(200) and s.decode_seqs_mean == 1.5
+    assert s.stall_s == pytest.approx(0.3) and s.read_mib == 10
+    assert s.models_per_10s == 1.0                      # a alone, then b alone
+    assert "| uniform-rate | 3 |" in table(str(tmp_path))
