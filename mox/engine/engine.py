@@ -105,6 +105,11 @@ class Engine:
         """The model's experts are still being read in: it steps after every other model."""
         self.scheduler.set_streaming(name, streaming)
 
+    def set_draining(self, name: str, draining: bool) -> None:
+        """The model finishes its running sequences and starts no new one (its waiting
+        requests wait for it to run again)."""
+        self.scheduler.set_draining(name, draining)
+
     def add_request(self, request: Request) -> None:
         model = self.models.get(request.model)
         if model is None:

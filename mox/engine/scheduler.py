@@ -5,7 +5,9 @@ Design note.
   waited longest since it last ran goes next (round robin among models with work, so none
   starves and a cold model's first request is served between the hot models' steps); a model
   still streaming its experts in (`set_streaming`) goes after every other model with work,
-  whose steps then do not wait behind its reads.
+  whose steps then do not wait behind its reads. A draining model (`set_draining`: the router
+  wants its memory for a model that has waited) finishes its running sequences and starts no
+  new ones.
 - Within a model: running sequences first (decodes, and prefills still in progress), then
   waiting ones in arrival order, until the step's token budget or sequence cap is reached.
   A long prompt is prefilled in chunks of at most the token budget, so it cannot stall the
@@ -59,10 +61,15 @@ class _ModelQueue:
     last_run: float = 0.0
     ready: bool = False               # weights loaded: the model can run
     streaming: bool = False           # its experts are still being read in: it runs last
+    draining: bool = False            # finishes its running sequences, starts no new one
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def runnable(self) -> bool:
+        return self.ready and bool(self.running or (self.waiting and not self.draining))
 
 
 class Scheduler:
@@ -87,14 +94,17 @@ class Scheduler:
     def set_streaming(self, name: str, streaming: bool) -> None:
         self.queues[name].streaming = streaming
 
+    def set_draining(self, name: str, draining: bool) -> None:
+        self.queues[name].draining = draining
+
     @property
     def has_work(self) -> bool:
         """Work that can run now (of a model whose weights are loaded)."""
-        return any(q.has_work and q.ready for q in self.queues.values())
+        return any(q.runnable for q in self.queues.values())
 
     def schedule(self) -> Batch | None:
         candidates = [(q.streaming, q.last_run, name) for name, q in self.queues.items()
-                      if q.has_work and q.ready]
+                      if q.runnable]
         if not candidates:
             return None
         _, _, model = min(candidates)
@@ -119,7 +129,8 @@ class Scheduler:
             else:
                 self.preempt(seq)
         max_running = self.config.max_running_sequences
-        while queue.waiting and budget > 0 and len(queue.running) < max_running:
+        while (queue.waiting and not queue.draining and budget > 0
+               and len(queue.running) < max_running):
             seq = queue.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new, may_preempt=False):

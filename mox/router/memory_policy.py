@@ -16,6 +16,8 @@ Interface:
     check_fits(view, name)  refuse, at registration, a model the budget can never run
     admit(view) -> Admitted       cold models with requests that may load now, and the idle
                                   models parked to make room for them
+    drain(view) -> model | None   a busy model to finish its running requests and leave, so
+                                  a cold model that has waited gets a turn
     plan_slots(view) -> {model: slots}   for every model in the view, within the budget
 
 `rate` plans from traffic (mox.router.planner); `lru`/`lfu` split the expert budget equally
@@ -41,11 +43,13 @@ DEFAULT_READ_BYTES_PER_S = 1.5e9
 # What a miss adds beyond its bytes: an I/O thread's hand-off and a wave boundary in the step
 # (~0.1-0.3 ms on this machine's 2 cores).
 MISS_OVERHEAD_S = 2e-4
-# A cold model waits for room at its run size at most this long; then it is admitted at its
-# minimum (the busy models' floors shrink toward their working sets), so a model that never
-# idles cannot starve the others. Long: admitting it early squeezes every busy pool, and at
-# 15 s the bench (8 models, 0.4 req/s, uniform) spiralled into thrashing (TPOT p50 1.7 s).
-ADMISSION_PATIENCE_S = 60.0
+# A cold model that has waited this long for room gets a turn: the busy model that has held
+# memory longest (at least this long) finishes its running requests, starts no new ones and is
+# parked (`drain`). Without turns a model that never idles starves the others: in the bench's
+# start burst the most requested model waited 20-37 s behind two models that kept getting
+# requests. Admitting the waiter at a smaller size instead squeezes every busy pool (at 15 s
+# the bench spiralled into thrashing, TPOT p50 1.7 s). A few requests' worth of decode.
+TURN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class ModelView:
     resized_ago_s: float = math.inf         # since its pool's size last changed
     priority: float = 1.0                   # the operator's weight on its value
     pinned: bool = False                    # the operator's: every expert, while registered
+    loaded_at: float = -math.inf            # when its last load started (its turn began)
+    draining: bool = False                  # finishing its running requests, then parked
 
     @property
     def miss_cost_s(self) -> float:
@@ -180,16 +186,13 @@ class MemoryPolicy:
 
     def make_room(self, view: MemoryView, model: ModelView) -> Admitted:
         """Park idle models (lowest `park_order` first) until `model`'s admission bytes fit
-        beside those of the models that hold memory (minimums, once it has waited
-        `ADMISSION_PATIENCE_S`); `load` is (model,) if it then fits, or if only pinned models
-        hold memory then (nothing would free more: it runs in what is left, which `check_fits`
-        ensured is at least its minimum)."""
+        beside those of the models that hold memory; `load` is (model,) if it then fits, or if
+        only pinned models hold memory then (nothing would free more: it runs in what is left,
+        which `check_fits` ensured is at least its minimum)."""
         budget, parked = self.budget(view), []
-        patient = view.now - model.oldest_arrival < ADMISSION_PATIENCE_S
-        size = ((lambda m: self.admission_bytes(m, budget)) if patient else self.minimum_bytes)
         while budget is not None:
-            committed = sum(size(m) for m in view.holding())
-            if committed + size(model) <= budget:
+            committed = sum(self.admission_bytes(m, budget) for m in view.holding())
+            if committed + self.admission_bytes(model, budget) <= budget:
                 break
             idle = [m for m in view.holding() if m.is_idle_warm]
             if not idle:
@@ -203,6 +206,11 @@ class MemoryPolicy:
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)
+
+    def drain(self, view: MemoryView) -> str | None:
+        """A busy model to drain so that the cold model waiting longest gets a turn, or
+        None (the base policies: a waiter waits for a busy model to go idle)."""
+        return None
 
     def holding_fits(self, view: MemoryView) -> bool:
         """Do the minimums of the models that hold memory fit the budget?"""
@@ -237,6 +245,24 @@ class PlannedMemory(MemoryPolicy):
         """Its run size's most used experts (every one while its curve is unknown, as
         model-swap loads): what its first steps would otherwise miss one wave at a time."""
         return slots if model.pinned else min(slots, model.run_slots)
+
+    def drain(self, view: MemoryView) -> str | None:
+        """Once the longest-waiting cold model has waited `TURN_S`: the busy, unpinned warm
+        model whose turn began longest ago (at least `TURN_S` ago), if parking it would make
+        room; one drain at a time."""
+        if any(m.draining for m in view.models):
+            return None
+        waiting = [m for m in view.models if m.state == ModelState.COLD and m.has_work]
+        if not waiting:
+            return None
+        waiter = min(waiting, key=lambda m: m.oldest_arrival)
+        turns = [m for m in view.models if m.state == ModelState.WARM and m.has_work
+                 and not m.pinned and view.now - m.loaded_at >= TURN_S]
+        if view.now - waiter.oldest_arrival < TURN_S or not turns:
+            return None
+        victim = min(turns, key=lambda m: m.loaded_at)
+        room = self.make_room(view.with_state(victim.name, ModelState.COLD), waiter)
+        return victim.name if room.load else None
 
     def admission_bytes(self, model: ModelView, budget: int | None) -> int:
         if model.pinned or not model.has_work:

@@ -51,8 +51,10 @@ RESIZE_MIN_INTERVAL_S = 5.0
 # Sizes at which a miss-ratio curve is read when planning (see `_hull_segments`).
 HULL_POINTS = 257
 # A busy model runs at the smallest pool whose miss rate is at most this much above a whole
-# pool's: 5% of a bench olmoe's 64 accesses a token is ~3 extra 1.5 MiB reads (~3 ms at
-# 1.5 GB/s) on an ~80 ms token.
+# pool's: 5% of a bench olmoe's 32 accesses a token is 1.6 extra 3 MiB reads, ~6 ms at the
+# 3.7 ms a miss cost inside the bench's steps. 25% ran a third model beside two more often
+# but, in one run each (8 bench models, 0.4 req/s), stalled uniform steps 33.5 s against
+# 10 s and read 41 GB against 31 (TPOT p50 424 ms against 272).
 RUN_EXTRA_MISS_RATE = 0.05
 # A curve is trusted for the run size once its recent accesses number this many times the
 # keys it spans (fewer: a first request's prefill and a few tokens, which see little reuse).

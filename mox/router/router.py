@@ -270,6 +270,7 @@ class Router:
         outputs = self._install_landed()
         outputs += self._expire(now)
         self._park_idle(now)
+        self._take_turns()
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
@@ -374,6 +375,22 @@ class Router:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
         model.state = ModelState.LOADING
         model.num_loads += 1
+        model.loaded_at = self.clock()
+
+    def _take_turns(self) -> None:
+        """Park drained models whose running requests are done (their waiting ones wait for
+        admission like any cold model's), then let the policy pick a busy model to drain for
+        a cold model that has waited."""
+        for model in self.models.values():
+            if (model.draining and model.state == ModelState.WARM
+                    and self.engine.num_running(model.name) == 0):
+                self.park(model)
+        if any(m.state == ModelState.COLD and self.has_requests(m.name)
+               for m in self.models.values()):
+            victim = self.policy.drain(self._view())
+            if victim is not None:
+                self.models[victim].draining = True
+                self.engine.set_draining(victim, True)
 
     def _install_landed(self) -> list[RequestOutput]:
         landed = self._loader.take_landed()
@@ -429,6 +446,8 @@ class Router:
         """Take the model's weights and expert slots off the device (it runs no sequence; it
         may have some waiting, which wait for it to load again)."""
         assert model.state == ModelState.WARM and self.engine.num_running(model.name) == 0
+        model.draining = False
+        self.engine.set_draining(model.name, False)
         self.engine.set_weights(model.name, None)
         model.decoder, model.state = None, ModelState.COLD
         self.residency.apply({model.name: 0})

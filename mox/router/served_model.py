@@ -45,6 +45,8 @@ class ServedModel:
     traffic: ModelTraffic = field(default_factory=ModelTraffic)
     last_active: float = -math.inf           # last step or arrival (idle drop, LRU swap)
     num_loads: int = 0                       # times its weights were read (cold starts)
+    loaded_at: float = -math.inf             # when its last load started (its turn began)
+    draining: bool = False                   # finishing its running requests, then parked
 
     @property
     def holds_device_memory(self) -> bool:

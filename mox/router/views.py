@@ -43,4 +43,5 @@ def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | No
         hit_rates=demand.hit_rates, recent_accesses=demand.recent_accesses,
         accesses_per_request=demand.access_rate / minute_rate if minute_rate > MIN_RATE else 0.0,
         read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
-        priority=m.settings.priority, pinned=m.settings.pin)
+        priority=m.settings.priority, pinned=m.settings.pin, loaded_at=m.loaded_at,
+        draining=m.draining)

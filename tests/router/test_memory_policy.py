@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from mox.errors import MoxError
 from mox.messages import ModelState
 from mox.router.memory_policy import (
-    ADMISSION_PATIENCE_S,
+    TURN_S,
     MemoryPlan,
     MemoryView,
     ModelView,
@@ -27,9 +29,11 @@ UNIFORM = np.linspace(0.0, 1.0, ALL + 1)
 
 def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
           rate: float = 0.0, last_active: float = 0.0, arrival: float = float("inf"),
-          slots: int = 0, curve: np.ndarray = STEEP, history: float = 100.0 * ALL) -> ModelView:
+          slots: int = 0, curve: np.ndarray = STEEP, history: float = 100.0 * ALL,
+          loaded_at: float = 0.0) -> ModelView:
     return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
-                     arrival, LAYERS, curve, accesses_per_request=10.0, recent_accesses=history)
+                     arrival, LAYERS, curve, accesses_per_request=10.0, recent_accesses=history,
+                     loaded_at=loaded_at)
 
 
 def view(budget: int | None, *models: ModelView, now: float = 0.0) -> MemoryView:
@@ -88,13 +92,21 @@ def test_rate_admits_a_busy_model_only_at_its_run_size():
         assert plan.load == (("cold",) if admitted else ())
         # the busy model keeps its run size either way: no slot is taken from under it
         assert plan.slots["busy"] == ALL
-    # a model that has waited too long is admitted at its minimum (the floors fall back to
-    # working sets; the rest goes by value)
-    late = view(budget, busy, model("cold", ModelState.COLD, busy=True, arrival=0.0,
-                                    curve=UNIFORM), now=ADMISSION_PATIENCE_S + 1.0)
-    plan = admit_and_plan("rate", late)
-    assert plan.load == ("cold",) and plan.slots["cold"] >= TOP_K * LAYERS
-    assert plan_bytes(plan, late) <= budget
+
+
+def test_rate_drains_the_longest_held_busy_model_for_a_model_that_waited_a_turn():
+    budget = 2 * DENSE + 2 * ALL * EXPERT
+    busy = [model(name, busy=True, rate=1.0, slots=ALL, curve=UNIFORM, loaded_at=t)
+            for name, t in (("first", 0.0), ("second", 2.0))]
+    cold = model("cold", ModelState.COLD, busy=True, arrival=3.0, curve=UNIFORM)
+    policy = make_memory_policy("rate")
+    assert policy.drain(view(budget, *busy, cold, now=3.0 + TURN_S / 2)) is None   # not yet
+    assert policy.drain(view(budget, *busy, cold, now=3.0 + TURN_S)) == "first"
+    draining = dataclasses.replace(busy[0], draining=True)
+    assert policy.drain(view(budget, draining, busy[1], cold, now=10.0)) is None  # one at a time
+    fresh = [dataclasses.replace(m, loaded_at=9.0) for m in busy]   # their turns just began
+    assert policy.drain(view(budget, *fresh, cold, now=10.0)) is None
+    assert make_memory_policy("model-swap").drain(view(budget, *busy, cold, now=60.0)) is None
 
 
 def test_a_run_size_larger_than_the_budget_runs_in_what_the_budget_holds():

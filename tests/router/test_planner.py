@@ -46,8 +46,10 @@ def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, 
 
 
 def test_the_run_size_is_the_knee_of_the_curve_or_everything_while_unknown():
-    knee = np.concatenate([np.linspace(0.0, 0.9, 11), np.full(6, 0.92)])   # 16 slots
-    assert run_slots(knee, recent_accesses=1000.0) == 10     # within 5% of H(16) = 0.92
+    # 16 slots; a cliff at 10 (H(9) = 0.45, H(10) = 0.9, H(16) = 0.92)
+    knee = np.concatenate([0.05 * np.arange(10), np.linspace(0.9, 0.92, 7)])
+    assert RUN_EXTRA_MISS_RATE < 0.92 - 0.45
+    assert run_slots(knee, recent_accesses=1000.0) == 10     # the cliff: the rest adds 0.02
     assert run_slots(knee, recent_accesses=5.0) == 16        # too little history: whole
     assert run_slots(np.zeros(17), recent_accesses=1000.0) == 0      # no reuse: no size helps
     uniform = np.linspace(0.0, 1.0, 17)

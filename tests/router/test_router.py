@@ -11,7 +11,7 @@ from mox import LLM
 from mox.errors import AdmissionError, ModelUnavailableError, MoxError, RequestTimeoutError
 from mox.messages import FinishReason, ModelSettings, ModelState, Request
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
-from mox.router.memory_policy import ADMISSION_PATIENCE_S
+from mox.router.memory_policy import TURN_S
 from mox.sampling import SamplingParams
 
 STEP_S = 0.05                     # simulated seconds per engine step
@@ -107,28 +107,35 @@ def test_steady_traffic_does_not_thrash(hf_checkpoints):
     assert changes <= 1, history
 
 
-def test_a_cold_model_waits_for_room_then_is_served_while_hot_models_decode(hf_checkpoints):
+def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     clock = FakeClock()
     # room for a and b at their run sizes, but not for c's (every expert: its curve is
     # unknown) beside their working sets (4 each)
     router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=20)
-    for m in "ab":
-        router.add_request(Request(f"{m}-long", m, [3, 4, 5], _params(60)))
-    _run(router, clock, lambda outs: len(outs.get("a-long", [])) >= 3
+    router.add_request(Request("a-1", "a", [3, 4, 5], _params(12)))
+    router.add_request(Request("b-long", "b", [3, 4, 5], _params(150)))
+    _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 3
          and len(outs.get("b-long", [])) >= 3)
-    assert router.models["c"].state == ModelState.COLD
     router.add_request(Request("c-1", "c", [7, 8], _params(4)))
     # c's curve is unknown, so it runs only with every expert: it waits rather than squeeze
     # the busy models below their run sizes
-    _run(router, clock, lambda outs: len(outs.get("a-long", [])) >= 6)
+    _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 2)
     assert router.models["c"].state == ModelState.COLD
-    clock.now += ADMISSION_PATIENCE_S             # ... but not for ever
-    outs = _run(router, clock, _finished(["c-1"]))
-    assert not any(o.finish_reason for o in outs.get("a-long", []) + outs.get("b-long", []))
-    assert len(outs["a-long"]) > 0 and len(outs["b-long"]) > 0      # they kept decoding
-    assert router.models["c"].num_loads == 1
-    router.add_request(Request("c-2", "c", [7, 9], _params(2)))
-    _run(router, clock, _finished(["c-2"]))
+    clock.now += TURN_S                   # c has waited a turn: a, loaded first, drains
+    router.step()
+    assert router.models["a"].draining
+    router.add_request(Request("a-2", "a", [3, 9], _params(2)))    # a starts no new request
+    order = []
+
+    def until(outs):
+        order.extend(rid for rid, got in outs.items() if got and rid not in order)
+        return all(any(o.finish_reason for o in outs.get(r, [])) for r in ("c-1", "a-2"))
+
+    outs = _run(router, clock, until)
+    assert order.index("c-1") < order.index("a-2")     # c's turn came before a's new request
+    assert [o.finish_reason for o in outs["a-1"] if o.finish_reason] == [FinishReason.LENGTH]
+    assert not any(o.finish_reason for o in outs["b-long"])          # b kept decoding
+    assert router.models["a"].num_loads == 2 and router.models["c"].num_loads == 1
     for name in router.models:
         router.models[name].pool.check_integrity()
 
