@@ -57,6 +57,11 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     markdown = (out / "results.md").read_text()
     assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
     assert "| uniform-rate |" in markdown                      # the per-step timeline table
+    from mox.bench.loadtest.two_runs import compare
+
+    side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"
+    p50 = suite.policies[0].latency.ttft.p50
+    assert f"| rate | {p50:.2f} / {p50:.2f} |" in side_by_side
     for plot in ("ttft-cdf", "tpot-cdf", "bytes-read", "resident-bytes", "request-rate"):
         assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
 

@@ -1,0 +1,80 @@
+"""Two `mox bench` runs of the same command side by side: every figure as "run 1 / run 2", the
+way the README reports the load test (the machine is shared and noisy, so one run is not a
+measurement).
+
+    python -m mox.bench.loadtest.two_runs OUT1 OUT2
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import msgspec
+
+from mox.bench.loadtest.results_schema import PolicyResult, Results, Suite
+
+GiB = 2**30
+
+# (header, figure of a policy's result, format)
+COLUMNS = (
+    ("TTFT p50 s", lambda p: p.latency.ttft.p50, "{:.2f}"),
+    ("TTFT p99 s", lambda p: p.latency.ttft.p99, "{:.1f}"),
+    ("TPOT p50 ms", lambda p: 1e3 * p.latency.tpot.p50, "{:.0f}"),
+    ("TPOT p99 ms", lambda p: 1e3 * p.latency.tpot.p99, "{:.0f}"),
+    ("goodput req/s", lambda p: p.goodput_requests_per_s, "{:.2f}"),
+    ("tok/s", lambda p: p.throughput_tokens_per_s, "{:.1f}"),
+    ("read GiB", lambda p: p.pager.bytes_read / GiB, "{:.1f}"),
+)
+
+
+def load(out: str) -> Results:
+    with open(os.path.join(out, "results.json"), "rb") as f:
+        return msgspec.json.decode(f.read(), type=Results)
+
+
+def _cell(results: list[PolicyResult | None], figure, fmt: str) -> str:
+    return " / ".join("-" if p is None or p.error else fmt.format(figure(p)) for p in results)
+
+
+def policy_table(suites: list[Suite]) -> list[str]:
+    names = [p.policy for p in suites[0].policies]
+    rows = ["| policy | " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+            "|---|" + "---|" * len(COLUMNS)]
+    for name in names:
+        runs = [next((p for p in s.policies if p.policy == name), None) for s in suites]
+        errors = {p.error for p in runs if p is not None and p.error}
+        if errors and all(p is None or p.error for p in runs):
+            rows.append(f"| {name} | " + " | ".join("-" for _ in COLUMNS) + " |")
+            continue
+        rows.append(f"| {name} | " + " | ".join(_cell(runs, f, fmt) for _, f, fmt in COLUMNS)
+                    + " |")
+    return rows
+
+
+def target_table(suites: list[Suite]) -> list[str]:
+    rows = ["| rate: figure vs baseline | target | ratio (run 1 / run 2) | met |",
+            "|---|---|---|---|"]
+    for i, target in enumerate(suites[0].targets):
+        runs = [s.targets[i] for s in suites]
+        ratios = " / ".join("-" if t.ratio is None else f"{t.ratio:.2f}x" for t in runs)
+        met = " / ".join("-" if t.met is None else ("yes" if t.met else "no") for t in runs)
+        bound = f"{'<=' if target.at_most else '>='} {target.bound:.2f}x"
+        rows.append(f"| {target.figure} vs {target.baseline} | {bound} | {ratios} | {met} |")
+    return rows
+
+
+def compare(outs: list[str]) -> str:
+    runs = [load(out) for out in outs]
+    lines = []
+    for i, suite in enumerate(runs[0].suites):
+        suites = [r.suites[i] for r in runs]
+        errors = sorted({p.error for s in suites for p in s.policies if p.error})
+        lines += [f"### {suite.name} routing ({suite.workload.num_requests} requests a run)",
+                  "", *policy_table(suites), "", *target_table(suites), ""]
+        lines += [f"Not run: {e}" for e in errors] + ([""] if errors else [])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(compare(sys.argv[1:]))
