@@ -31,11 +31,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import IO
 
 import msgspec
-import torch
 
 from mox.engine.engine import Engine, StepInfo
 from mox.engine.scheduler import SchedulerConfig
@@ -50,6 +48,7 @@ from mox.messages import ModelSettings, ModelState, Request, RequestOutput
 from mox.models.loading import prefetch_by_default
 from mox.pager import make_pager
 from mox.router.admission import Admission
+from mox.router.config import RouterConfig
 from mox.router.memory_policy import (
     MemoryPlan,
     MemoryPolicy,
@@ -68,49 +67,13 @@ from mox.router.timeline import StepRecord, Timeline
 from mox.router.views import memory_view
 
 log = logging.getLogger("mox.router")
-ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    policy: str = "rate"
-    device: str = "cpu"
-    dtype: str | torch.dtype = "bfloat16"
-    device_memory: int | None = None      # dense + expert bytes of all models; None: no limit
-    host_memory: int | None = None        # RAM cache of expert bytes (None: off)
-    kv_memory: int = 1 << 30
-    max_batched_tokens: int = 256
-    prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
-    direct_io: bool = True                # O_DIRECT reads (no page cache) where the filesystem
-                                          # allows: the disk tier is really the disk
-    plan_period_s: float = 1.0
-    dense_idle_s: float = 300.0           # a warm model idle this long is parked
-    max_waiting_per_model: int = 256
-    max_waiting: int = 1024
-    queue_timeout_s: float = 120.0
-    compute_threads: int | None = None    # torch intra-op threads for steps (None: all)
-    step_log: str | None = None           # append each step's record here (JSON lines)
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTER_POLICIES:
-            raise InvalidRequestError(f"unknown policy {self.policy!r}; choose from "
-                                      f"{ROUTER_POLICIES}", param="policy")
-
-    def one_ram_tier(self) -> RouterConfig:
-        """The server's tiers on a CPU: expert slots and a host cache would be the same RAM,
-        and a page-in from the cache a copy within it, so the host budget joins the slots'
-        (one RAM tier above the disk). Elsewhere, or without a host budget: unchanged."""
-        if resolve_device(self.device).type != "cpu" or not self.host_memory:
-            return self
-        device_memory = (None if self.device_memory is None
-                         else self.device_memory + self.host_memory)
-        return replace(self, device_memory=device_memory, host_memory=None)
 
 
 class Router:
-    def __init__(self, models: dict[str, str], config: RouterConfig = RouterConfig(),
+    def __init__(self, models: dict[str, str], config: RouterConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  settings: dict[str, ModelSettings] | None = None) -> None:
+        config = config or RouterConfig()
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
