@@ -77,9 +77,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(path)
     failed = False
     for suite in results.suites:
-        measured = [f"{t.figure} vs {t.baseline} {t.ratio:.2f}x "
-                    f"({'<=' if t.at_most else '>='} {t.bound:.2f}x: "
-                    f"{'met' if t.met else 'missed'})" for t in suite.targets if t.met is not None]
+        measured = [f"{t.figure} vs {t.baseline} {t.ratio:.2f}x ({t.condition}: {t.verdict})"
+                    for t in suite.targets if t.met is not None]
         print(f"[{suite.name}] rate: " + ("; ".join(measured) or "no baseline ran"))
         failed |= any(p.error is not None or not p.counts.ok for p in suite.policies)
     return 1 if failed else 0

@@ -150,6 +150,15 @@ class Target(msgspec.Struct):
     ratio: float | None = None        # None: a policy missing or failed
     met: bool | None = None
 
+    @property
+    def condition(self) -> str:
+        """`<= 0.33x`, `>= 1.50x`"""
+        return f"{'<=' if self.at_most else '>='} {self.bound:.2f}x"
+
+    @property
+    def verdict(self) -> str:
+        return "-" if self.met is None else ("met" if self.met else "missed")
+
 
 class Workload(msgspec.Struct):
     num_requests: int

@@ -43,8 +43,7 @@ def policy_table(suites: list[Suite]) -> list[str]:
             "|---|" + "---|" * len(COLUMNS)]
     for name in names:
         runs = [next((p for p in s.policies if p.policy == name), None) for s in suites]
-        errors = {p.error for p in runs if p is not None and p.error}
-        if errors and all(p is None or p.error for p in runs):
+        if all(p is None or p.error for p in runs):
             rows.append(f"| {name} | " + " | ".join("-" for _ in COLUMNS) + " |")
             continue
         rows.append(f"| {name} | " + " | ".join(_cell(runs, f, fmt) for _, f, fmt in COLUMNS)
@@ -58,9 +57,9 @@ def target_table(suites: list[Suite]) -> list[str]:
     for i, target in enumerate(suites[0].targets):
         runs = [s.targets[i] for s in suites]
         ratios = " / ".join("-" if t.ratio is None else f"{t.ratio:.2f}x" for t in runs)
-        met = " / ".join("-" if t.met is None else ("yes" if t.met else "no") for t in runs)
-        bound = f"{'<=' if target.at_most else '>='} {target.bound:.2f}x"
-        rows.append(f"| {target.figure} vs {target.baseline} | {bound} | {ratios} | {met} |")
+        met = " / ".join(t.verdict for t in runs)
+        rows.append(f"| {target.figure} vs {target.baseline} | {target.condition} | {ratios} | "
+                    f"{met} |")
     return rows
 
 

@@ -76,13 +76,13 @@ class CpuTimes:
 
 def cpu_times(pid: int | str = "self") -> CpuTimes | None:
     """From /proc (None where there is none): what `SharedCores` and the benchmarks use."""
-    allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     try:
+        allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
         with open("/proc/stat") as f:
             rows = [line.split() for line in f if line.startswith("cpu")]
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    except (OSError, AttributeError):      # no /proc, or no sched_getaffinity (not Linux)
         return None
     busy = steal = 0
     for row in rows:

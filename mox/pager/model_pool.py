@@ -190,7 +190,7 @@ class ModelPool(PagedPool):
         with self._lock:
             for moe_layer, expert_ids in experts.items():
                 _, _, missing = self._classify(moe_layer, sorted(set(expert_ids)), count=False)
-                started = self._start_loads(moe_layer, missing, prefetched=True,
+                started = self._start_loads(moe_layer, missing, prefetched=False,
                                             protect=every_layer, preload=True)
                 self._preloads += [self._inflight[(moe_layer, e)] for e in started]
             futures = self._preloads

@@ -131,19 +131,21 @@ class PagedPool:
 
     def _start_loads(self, moe_layer: int, experts: list[int], prefetched: bool,
                      protect: set[int] | None = None, preload: bool = False) -> list[int]:
-        """Reserve slots for `experts` and queue their reads (a prefetch at its lower
-        priority; a preload is read ahead too, but counted apart from predictions)."""
+        """Reserve slots for `experts` and queue their reads: a demand miss's first; a
+        prefetch (a prediction, whose use is counted) and a preload (a cold start's
+        read-ahead) at the lower priority."""
         pool, stats = self.slot_pool, self.counters
         started = []
         for expert, index in zip(experts, self._claim_slots(len(experts), protect)):
             key = (moe_layer, expert)
-            pool.reserve(index, key, prefetched and not preload)
-            stats.prefetches += prefetched and not preload
+            pool.reserve(index, key, prefetched)
+            stats.prefetches += prefetched
             stats.preloads += preload
             occupied = pool.num_occupied * pool.expert_nbytes
             stats.peak_resident_bytes = max(stats.peak_resident_bytes, occupied)
             self._inflight[key] = self.loader.reader.submit_call(
-                self._load, key, index, priority=PREFETCH if prefetched else DEMAND)
+                self._load, key, index,
+                priority=PREFETCH if prefetched or preload else DEMAND)
             started.append(expert)
         return started
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from mox.errors import MoxError
 from mox.messages import ModelState
-from mox.router.planner import ModelDemand, plan_slots, run_slots, settle
+from mox.router.planner import ModelDemand, plan_slots, settle
 
 # A miss's read when none has been measured yet: a cold NVMe-class read (DESIGN.md's machine
 # facts: 1.5-2.5 GB/s sequential), the pessimistic end.
@@ -70,7 +70,8 @@ class ModelView:
     num_layers: int = 1                     # MoE layers (the working set is top_k per layer)
     hit_rates: np.ndarray | None = None     # [N + 1] H(S) of its pool's recent accesses
     accesses_per_request: float = 0.0       # (layer, expert) accesses one request makes
-    recent_accesses: float = 0.0            # decayed count behind `hit_rates`
+    run_slots: int = 0                      # its run size (planner.run_slots of its
+                                            # curve, built once with the view)
     read_bytes_per_s: float | None = None   # what its expert reads achieved (None: none yet)
     resized_ago_s: float = math.inf         # since its pool's size last changed
     priority: float = 1.0                   # the operator's weight on its value
@@ -83,11 +84,6 @@ class ModelView:
         """What one miss costs: reading the expert, plus its share of a step's stall."""
         bandwidth = self.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
         return self.expert_nbytes / bandwidth + MISS_OVERHEAD_S
-
-    @property
-    def run_slots(self) -> int:
-        """The pool it runs at without thrashing (mox.router.planner.run_slots)."""
-        return run_slots(_hit_rates(self), self.recent_accesses)
 
     @property
     def holds_device_memory(self) -> bool:
@@ -128,6 +124,7 @@ class MemoryPlan:
     slots: dict[str, int]               # expert slots for every model in the view
     park: tuple[str, ...] = ()
     load: tuple[str, ...] = ()
+    preload: dict[str, int] = dataclasses.field(default_factory=dict)  # experts per load
 
 
 class MemoryPolicy:
@@ -167,6 +164,14 @@ class MemoryPolicy:
             raise MoxError(f"model {name!r} needs {self.minimum_bytes(model)} bytes of "
                            f"device memory to run ({what}, top_k = {model.top_k}){beside}; "
                            f"the budget is {budget}")
+
+    def plan(self, admitted: Admitted) -> MemoryPlan:
+        """What the router applies after admission: slots for the view as admission leaves
+        it, and the experts each load reads with its dense weights."""
+        slots = self.plan_slots(admitted.view)
+        preload = {m.name: self.preload(m, slots[m.name]) for m in admitted.view.models
+                   if m.name in admitted.load}
+        return MemoryPlan(slots, admitted.park, admitted.load, preload)
 
     def admit(self, view: MemoryView) -> Admitted:
         """Admit cold models with requests (and pinned ones), oldest request first, while the
@@ -268,9 +273,9 @@ class PlannedMemory(MemoryPolicy):
         if model.pinned or not model.has_work:
             return self.minimum_bytes(model)
         slots = max(model.top_k, model.run_slots)
-        if budget is not None:
+        if budget is not None:         # at most the budget (check_fits: top_k fits in it)
             slots = min(slots, (budget - model.dense_nbytes) // model.expert_nbytes)
-        return model.dense_nbytes + max(model.top_k, slots) * model.expert_nbytes
+        return model.dense_nbytes + slots * model.expert_nbytes
 
     def divide(self, view: MemoryView) -> dict[str, int]:
         holding = view.holding()

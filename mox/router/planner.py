@@ -16,7 +16,7 @@ Design note.
   model may run. A busy model below it re-reads experts every token and slows every model
   that shares the disk and the cores, so waiting for room, as model-swap does, is better:
   model-swap's behaviour is this rule with run size = every expert. Where the run sizes do
-  not fit together (a model admitted after waiting too long, a pinned model), the models
+  not fit together (a warm model whose pool shrank while idle, a pinned model), the models
   that hold theirs keep them and the others get working sets (one token's experts in every
   MoE layer: top_k x layers), or top_k, the least a step can run on (in waves).
 - Hysteresis: slots a model holds now count `HYSTERESIS` more, so a small wobble in the

@@ -50,6 +50,7 @@ from mox.pager import make_pager
 from mox.router.admission import Admission
 from mox.router.config import RouterConfig
 from mox.router.memory_policy import (
+    Admitted,
     MemoryPlan,
     MemoryPolicy,
     MemoryView,
@@ -172,10 +173,10 @@ class Router:
 
     def warm_up(self, name: str, whole: bool | None = None) -> None:
         """Load the model now and wait for it (the offline LLM's start-up); `whole`: every
-        expert too (None: as the policy loads models)."""
+        expert too (None: as the policy loads whole models or not)."""
         model = self.models.get(name) or self.served(name)
         if model.state == ModelState.COLD:
-            self._start_load(model, whole)
+            self._start_load(model, self.policy.loads_whole_models if whole is None else whole)
         while model.state == ModelState.LOADING:
             self.wake.wait()
             self.wake.clear()
@@ -233,7 +234,7 @@ class Router:
         outputs = self._install_landed()
         outputs += self._expire(now)
         self._park_idle(now)
-        self._take_turns()
+        self._park_drained()
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
@@ -305,34 +306,28 @@ class Router:
 
     # ---- loading and parking -----------------------------------------------------------
     def _try_start_loads(self) -> None:
-        """Start loading cold models that have requests, if the policy finds room for them
-        (parking idle models if it must); otherwise they wait for a busy model to go idle."""
-        if any(m.state == ModelState.COLD and (self.has_requests(m.name) or m.settings.pin)
-               for m in self.models.values()):
-            admitted = self.policy.admit(self._view())
-            if admitted.load or admitted.park:
-                self._apply(MemoryPlan(self.policy.plan_slots(admitted.view), admitted.park,
-                                       admitted.load))
+        """Start loading cold models that have requests (or are pinned), if the policy finds
+        room for them (parking idle models if it must); otherwise they wait for a busy model
+        to go idle, or for the policy to drain one (a turn, `MemoryPolicy.drain`)."""
+        if not any(m.state == ModelState.COLD and (self.has_requests(m.name) or m.settings.pin)
+                   for m in self.models.values()):
+            return
+        view = self._view()
+        victim = self.policy.drain(view)
+        if victim is not None:             # draining frees nothing yet: admission is the same
+            self.models[victim].draining = True
+            self.engine.set_draining(victim, True)
+        admitted = self.policy.admit(view)
+        if admitted.load or admitted.park:
+            self._apply(self.policy.plan(admitted))
 
-    def _start_load(self, model: ServedModel, whole: bool | None = None) -> None:
+    def _start_load(self, model: ServedModel, whole: bool) -> None:
         """Load the model now, without asking the policy to admit it (all-resident's start-up,
-        the offline LLM's warm-up); `whole`: every expert too (None: as the policy loads)."""
+        the offline LLM's warm-up); `whole`: every expert too, waited for."""
         self._mark_loading(model)
         self.replan()
-        if whole is None:
-            self._start_loader(model)
-        else:
-            self._loader.start(model, self.dtype, self.device,
-                               model.pool.max_slots if whole else 0, stream=False)
-
-    def _start_loader(self, model: ServedModel) -> None:
-        """Its dense weights and the experts the policy reads with them (at most its slots),
-        on the loader thread."""
-        view = next(m for m in self._view().models if m.name == model.name)
-        preload = self.policy.preload(view, model.pool.num_slots)
-        self._loader.start(model, self.dtype, self.device, preload,
-                           stream=self.policy.streams_cold_starts and not view.pinned)
-
+        self._loader.start(model, self.dtype, self.device,
+                           model.pool.max_slots if whole else 0, stream=False)
 
     def _mark_loading(self, model: ServedModel) -> None:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
@@ -340,20 +335,13 @@ class Router:
         model.num_loads += 1
         model.loaded_at = self.clock()
 
-    def _take_turns(self) -> None:
-        """Park drained models whose running requests are done (their waiting ones wait for
-        admission like any cold model's), then let the policy pick a busy model to drain for
-        a cold model that has waited."""
-        for model in self.models.values():
+    def _park_drained(self) -> None:
+        """Drained models whose running requests are done leave; their waiting ones wait for
+        admission like any cold model's."""
+        for model in list(self.models.values()):
             if (model.draining and model.state == ModelState.WARM
                     and self.engine.num_running(model.name) == 0):
                 self.park(model)
-        if any(m.state == ModelState.COLD and self.has_requests(m.name)
-               for m in self.models.values()):
-            victim = self.policy.drain(self._view())
-            if victim is not None:
-                self.models[victim].draining = True
-                self.engine.set_draining(victim, True)
 
     def _install_landed(self) -> list[RequestOutput]:
         landed = self._loader.take_landed()
@@ -402,8 +390,8 @@ class Router:
             self.park(model)
             return
         load = tuple(name for name in admitted.load if name != model.name)
-        plan_view = admitted.view.with_state(model.name, ModelState.WARM)
-        self._apply(MemoryPlan(self.policy.plan_slots(plan_view), admitted.park, load))
+        self._apply(self.policy.plan(Admitted(
+            admitted.view.with_state(model.name, ModelState.WARM), admitted.park, load)))
 
     def park(self, model: ServedModel) -> None:
         """Take the model's weights and expert slots off the device (it runs no sequence; it
@@ -433,7 +421,9 @@ class Router:
         if self.policy.plans_host_cache:
             self.residency.share_host_cache()
         for model in loading:
-            self._start_loader(model)
+            # a pinned model is served whole: it is ready once all of it has landed
+            self._loader.start(model, self.dtype, self.device, plan.preload.get(model.name, 0),
+                               stream=self.policy.streams_cold_starts and not model.settings.pin)
 
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from (mox.router.views)."""

@@ -16,6 +16,7 @@ from mox.router.memory_policy import (
     ModelView,
     make_memory_policy,
 )
+from mox.router.planner import run_slots
 
 DENSE, EXPERT, TOP_K, LAYERS, EXPERTS = 1000, 100, 2, 2, 8
 ALL = LAYERS * EXPERTS                      # every expert of a model: 16 slots
@@ -32,7 +33,8 @@ def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
           slots: int = 0, curve: np.ndarray = STEEP, history: float = 100.0 * ALL,
           loaded_at: float = 0.0) -> ModelView:
     return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
-                     arrival, LAYERS, curve, accesses_per_request=10.0, recent_accesses=history,
+                     arrival, LAYERS, curve, accesses_per_request=10.0,
+                     run_slots=run_slots(curve, history),
                      loaded_at=loaded_at)
 
 
