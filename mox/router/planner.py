@@ -54,7 +54,7 @@ HULL_POINTS = 257
 # pool's: 5% of a bench olmoe's 32 accesses a token is 1.6 extra 3 MiB reads, ~6 ms at the
 # 3.7 ms a miss cost inside the bench's steps. 25% ran a third model beside two more often
 # but, in one run each (8 bench models, 0.4 req/s), stalled uniform steps 33.5 s against
-# 10 s and read 41 GB against 31 (TPOT p50 424 ms against 272).
+# 10 s and read 40 GiB against 30 (TPOT p50 424 ms against 272; bench/results/harness-variants).
 RUN_EXTRA_MISS_RATE = 0.05
 # A curve is trusted for the run size once its recent accesses number this many times the
 # keys it spans (fewer: a first request's prefill and a few tokens, which see little reuse).
