@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from mox.router import RouterConfig
     from mox.serve import ServeOptions, serve
+    from mox.server.limits import ServerLimits
     from mox.units import parse_size
 
     logging.basicConfig(level=logging.INFO, format="mox: %(message)s")
@@ -67,8 +68,14 @@ def _serve(args: argparse.Namespace) -> int:
                      "expert slots (device budget %s bytes)", args.host_memory,
                      tiered.device_memory)
     config = tiered
+    limits = ServerLimits(
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_body_bytes=parse_size(args.max_body_size), max_connections=args.max_connections,
+        default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
+        shutdown_grace_s=args.shutdown_grace)
     options = ServeOptions(args.host, args.port, args.home, args.demo,
-                           args.api_key or os.environ.get("MOX_API_KEY") or None, config)
+                           args.api_key or os.environ.get("MOX_API_KEY") or None, config,
+                           limits)
     return asyncio.run(serve(options))
 
 
@@ -104,7 +111,30 @@ def _add_serve_parser(sub) -> None:
                        "filesystem allows, so RAM holding weights is only what mox budgets)")
     serve.add_argument("--step-log", help="append a JSON line per engine step to this file "
                        "(model, sequences, tokens, seconds, seconds waiting on expert reads)")
+    _add_limit_arguments(serve.add_argument_group("limits"))
     serve.set_defaults(func=_serve)
+
+
+def _add_limit_arguments(group) -> None:
+    from mox.server.limits import ServerLimits
+
+    d = ServerLimits()
+    group.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                       help="seconds from connecting (or the previous response) to a whole "
+                       "request's headers; idle keep-alive connections close after it too")
+    group.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                       help="seconds from the headers to the whole body (408 past it)")
+    group.add_argument("--max-body-size", default=str(d.max_body_bytes),
+                       help="largest request body, e.g. 1MiB (413 past it)")
+    group.add_argument("--max-connections", type=int, default=d.max_connections,
+                       help="open connections at once (503 and close past it)")
+    group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                       help="output limit of a chat request that sets none")
+    group.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
+                       help="the most output tokens one request may ask for (400 past it)")
+    group.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+                       help="seconds from SIGTERM to exit; requests still running 2 s before "
+                       "it are ended with an error (streams: error event, then [DONE])")
 
 
 def build_parser() -> argparse.ArgumentParser:

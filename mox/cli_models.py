@@ -7,11 +7,13 @@ progress bar on stderr when it is a terminal; the other commands only read heade
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import secrets
 import shutil
 import sys
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import msgspec
 import torch
@@ -34,6 +36,8 @@ from mox.registry import (
 )
 
 IMPORTED_SUFFIX = ".expert-major"     # MOX_HOME/models/NAME.expert-major
+STAGING_PREFIX = ".importing-"        # models/.importing-NAME-RANDOM: an import's copy
+IMPORT_LOCK = ".import-{}.lock"       # models/.import-NAME.lock: held for a whole import
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 Progress = Callable[[int], None]
 
@@ -100,20 +104,80 @@ def _same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
 def import_expert_major(registry: Registry, entry: ModelEntry) -> ModelEntry:
     """Repack `entry` into a temp folder beside its final place, check it holds the same
     tensors, then move it into place and switch the entry over in one registry write. An
-    interruption anywhere leaves the registry pointing at the original checkpoint."""
+    interruption anywhere leaves the registry pointing at the original checkpoint; a kill
+    leaves the temp folder, which the model's next import removes."""
     final = os.path.join(registry.models_dir, validate_name(entry.name) + IMPORTED_SUFFIX)
     os.makedirs(registry.models_dir, exist_ok=True)
-    staged = tempfile.mkdtemp(prefix=f".importing-{entry.name}-", dir=registry.models_dir)
+    with _import_lock(registry.models_dir, entry.name):
+        # under the lock, every staging folder of this model is a dead importer's
+        num_stale = remove_stale_staging(registry.models_dir, entry.name)
+        if num_stale:
+            print(f"removed {format_bytes(num_stale)} left by an interrupted import of "
+                  f"{entry.name}", file=sys.stderr)
+        staged = os.path.join(registry.models_dir,
+                              f"{STAGING_PREFIX}{entry.name}-{secrets.token_hex(4)}")
+        os.mkdir(staged)
+        os.chmod(staged, 0o755)                  # whatever the umask: a server may be another user
+        try:
+            total = entry.dense_bytes + entry.expert_bytes
+            with _progress_bar(f"repack {entry.name}", total) as bar:
+                repack_expert_major(entry.path, staged, progress=bar.update)
+            with _progress_bar(f"check {entry.name}", total) as bar:
+                check_same_tensors(entry.path, staged, bar.update)
+            return registry.switch_checkpoint(entry.name, entry.path, staged, final)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)     # already moved after a switch
+
+
+@contextmanager
+def _import_lock(models_dir: str, name: str) -> Iterator[None]:
+    """Exclusive per model, not waited for: two imports of one model would each take the
+    other's staging folder for stale. The kernel drops it when the holder dies."""
+    path = os.path.join(models_dir, IMPORT_LOCK.format(name))
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
     try:
-        os.chmod(staged, 0o755)                  # mkdtemp's 0700 would hide it from a server
-        total = entry.dense_bytes + entry.expert_bytes
-        with _progress_bar(f"repack {entry.name}", total) as bar:
-            repack_expert_major(entry.path, staged, progress=bar.update)
-        with _progress_bar(f"check {entry.name}", total) as bar:
-            check_same_tensors(entry.path, staged, bar.update)
-        return registry.switch_checkpoint(entry.name, entry.path, staged, final)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RegistryError(f"another import of {name} is running (it holds {path}); "
+                                "wait for it to finish") from None
+        yield
     finally:
-        shutil.rmtree(staged, ignore_errors=True)     # already moved after a switch
+        os.close(fd)                              # releases the lock
+
+
+def is_staging_of(name: str, folder: str) -> bool:
+    """Whether `folder` (a name in models_dir) is an import copy of model `name`. The random
+    part never holds '-' (hex here, mkdtemp's letters, digits and '_' before), so model
+    `a` never claims `.importing-a-b-RANDOM`, which belongs to model `a-b`."""
+    prefix = f"{STAGING_PREFIX}{name}-"
+    rest = folder[len(prefix):]
+    return folder.startswith(prefix) and rest != "" and "-" not in rest
+
+
+def staging_folders(models_dir: str, name: str | None = None) -> list[str]:
+    """Import copies in `models_dir`: of model `name`, or of any model."""
+    try:
+        entries = list(os.scandir(models_dir))
+    except FileNotFoundError:
+        return []
+    return sorted(e.path for e in entries if e.is_dir(follow_symlinks=False) and (
+        is_staging_of(name, e.name) if name else e.name.startswith(STAGING_PREFIX)))
+
+
+def remove_stale_staging(models_dir: str, name: str) -> int:
+    """Delete model `name`'s import copies; only while holding its import lock, when they
+    are all stale. Returns the bytes they held."""
+    num_bytes = 0
+    for folder in staging_folders(models_dir, name):
+        num_bytes += _tree_bytes(folder)
+        shutil.rmtree(folder)
+    return num_bytes
+
+
+def _tree_bytes(folder: str) -> int:
+    return sum(os.lstat(os.path.join(root, f)).st_size
+               for root, _, files in os.walk(folder) for f in files)
 
 
 def _stale_fields(entry: ModelEntry, facts: CheckpointFacts) -> list[str]:
@@ -176,7 +240,18 @@ def _list(args: argparse.Namespace) -> int:
         print(_table(entries))
     else:
         print(f"no models registered in {registry.path}; add one with `mox models add`")
+    _note_staging(registry.models_dir)
     return 0
+
+
+def _note_staging(models_dir: str) -> None:
+    """On stderr (so --json stays parseable): import copies, which may be a dead import's."""
+    staged = staging_folders(models_dir)
+    if staged:
+        print(f"note: {format_bytes(sum(map(_tree_bytes, staged)))} in import copies in "
+              f"{models_dir} ({', '.join(map(os.path.basename, staged))}): imports running "
+              "now or interrupted; the model's next `mox models import` removes the latter",
+              file=sys.stderr)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -238,6 +313,7 @@ def _verify(args: argparse.Namespace) -> int:
                             f"{'; '.join(stale)}); re-add it with `mox models add --replace`")
     with _progress_bar(f"verify {entry.name}", entry.dense_bytes + entry.expert_bytes) as bar:
         summary = verify_checkpoint(entry.path, bar.update)
+    Registry(args.home).mark_verified(entry.name)      # a server retries it if it failed
     print(f"{entry.name}: ok, {summary.num_tensors} tensors, "
           f"{format_bytes(summary.num_bytes)} in {summary.num_files} files read and finite")
     return 0

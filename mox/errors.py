@@ -31,5 +31,11 @@ class RequestTimeoutError(MoxError):
     """A request waited in its queue longer than its timeout and was aborted."""
 
 
+class ShuttingDownError(MoxError):
+    """The server is stopping: the request was refused, or cut after the shutdown grace
+    (maps to HTTP 503)."""
+
+
 __all__ = ["AdmissionError", "CheckpointError", "InvalidRequestError", "ModelNotFoundError",
-           "ModelUnavailableError", "MoxError", "RequestTimeoutError"]
+           "ModelUnavailableError", "MoxError", "RequestTimeoutError",
+           "ShuttingDownError"]

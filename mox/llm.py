@@ -74,7 +74,8 @@ class LLM:
         served = self.router.models[self.name]
         if served.state == ModelState.FAILED:
             raise ModelUnavailableError(served.error)
-        self.router.warm_up(self.name, whole=expert_bytes is None)
+        self._whole = expert_bytes is None
+        self.router.warm_up(self.name, whole=self._whole)
         self.tokenizer: Tokenizer | None = served.tokenizer
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
@@ -115,6 +116,7 @@ class LLM:
             stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
             logprobs=logprobs)
         prompts_ids = self._prompt_ids(prompts, prompt_token_ids)
+        self._reopen_if_failed()
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts_ids]
         results = {rid: CompletionOutput(p, [], FinishReason.LENGTH,
                                          None if self.tokenizer is None else "",
@@ -146,6 +148,16 @@ class LLM:
                 self.router.abort(rid)          # no-op for finished ones
                 self.router.take_error(rid)
         return [results[rid] for rid in ids]
+
+    def _reopen_if_failed(self) -> None:
+        """A file damaged while serving failed the model; opening it again serves it again
+        once the file is repaired (or fails again, naming the file)."""
+        if self.router.models[self.name].state != ModelState.FAILED:
+            return
+        served = self.router.reopen(self.name)
+        if served.state == ModelState.FAILED:
+            raise ModelUnavailableError(served.error)
+        self.router.warm_up(self.name, whole=self._whole)
 
     def _prompt_ids(self, prompts: str | list[str] | None,
                     prompt_token_ids: list[list[int]] | None) -> list[list[int]]:

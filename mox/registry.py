@@ -63,6 +63,7 @@ class ModelEntry(CheckpointFacts, frozen=True, kw_only=True):
     name: str
     added: str                    # ISO-8601 UTC
     settings: ModelSettings = ModelSettings()     # the operator's: pin, priority, keep-alive
+    verified: str = ""            # ISO-8601 UTC of the last `mox models verify` that passed
 
 
 class RegistryFile(msgspec.Struct, kw_only=True):
@@ -158,6 +159,14 @@ class Registry:
                 raise ModelNotFoundError(f"model {name!r} is not registered in {self.path}")
             settings = msgspec.structs.replace(models[name].settings, **changes)
             models[name] = msgspec.structs.replace(models[name], settings=settings)
+            return models[name]
+
+    def mark_verified(self, name: str) -> ModelEntry:
+        """Record a passed verification (a running server opens a failed model again)."""
+        with self.update() as models:
+            if name not in models:
+                raise ModelNotFoundError(f"model {name!r} is not registered in {self.path}")
+            models[name] = msgspec.structs.replace(models[name], verified=utc_now())
             return models[name]
 
     def remove(self, name: str) -> ModelEntry:

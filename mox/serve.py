@@ -5,7 +5,7 @@
 
 The server follows the registry while it runs: models added with `mox models add` start
 serving, removed ones stop (their requests abort). SIGINT/SIGTERM stop accepting, give
-in-flight requests a grace period, abort the rest, and exit 0.
+in-flight requests the shutdown grace, end the rest with an error, and exit 0.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from mox.messages import ModelState, Request, RequestOutput
 from mox.registry import ModelEntry, Registry
 from mox.router import Router, RouterConfig
 from mox.router.driver import AsyncEngine
-from mox.server.app import create_app, start_server
+from mox.server.app import create_app, start_server, stop_server
 from mox.server.backend import ModelInfo
 from mox.server.chat_template import ChatTemplate
+from mox.server.limits import ServerLimits
 from mox.tokenizer import Tokenizer
 
 log = logging.getLogger("mox.serve")
@@ -39,9 +40,10 @@ class RouterBackend:
     """The router, driven by AsyncEngine's thread, as the HTTP layer's `ServingBackend`.
     Changes to the model table run on the engine thread (`AsyncEngine.call`)."""
 
-    def __init__(self, router: Router, created: dict[str, int] | None = None) -> None:
+    def __init__(self, router: Router, entries: list[ModelEntry] = ()) -> None:
         self.router = router
-        self.created = dict(created or {})
+        self.created = {e.name: _unix(e.added) for e in entries}
+        self._entries = {e.name: e for e in entries}     # as last read from the registry
         self._templates: dict[str, ChatTemplate] = {}
         self.async_engine = AsyncEngine(router)
 
@@ -69,12 +71,17 @@ class RouterBackend:
     def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
         return self.async_engine.generate(request)
 
+    def abort_all(self, error: Exception) -> None:
+        self.async_engine.abort_all(error)
+
     def snapshot(self) -> dict:
         return self.router.snapshot()
 
     def follow_registry(self, entries: list[ModelEntry]) -> None:
-        """Serve exactly the registry's models (on the engine thread)."""
+        """Serve exactly the registry's models (on the engine thread). A failed model whose
+        entry changed (`mox models add --replace`, `verify`) is opened again."""
         wanted = {e.name: e for e in entries}
+        seen, self._entries = self._entries, dict(wanted)
 
         def apply(router: Router) -> None:
             for name in [n for n in router.models if n not in wanted]:
@@ -86,6 +93,11 @@ class RouterBackend:
                         not router.has_requests(name)):
                     router.remove_model(name)          # re-imported: serve the new files
                     self._templates.pop(name, None)
+                elif (served is not None and served.state == ModelState.FAILED
+                      and seen.get(name) != entry):
+                    served = router.reopen(name)
+                    note = f": {served.error}" if served.error else ""
+                    log.info("model %s opened again (%s%s)", name, served.state.value, note)
                 if name not in router.models:
                     router.add_model(name, entry.path, entry.settings)
                     self.created[name] = _unix(entry.added)
@@ -112,6 +124,7 @@ class ServeOptions:
     demo: bool = False
     api_key: str | None = None
     router: RouterConfig = RouterConfig()
+    limits: ServerLimits = ServerLimits()
 
 
 def _unix(iso: str) -> int:
@@ -139,8 +152,8 @@ async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> in
     entries = registry.list()
     router = Router({e.name: e.path for e in entries}, options.router,
                     settings={e.name: e.settings for e in entries})
-    backend = RouterBackend(router, {e.name: _unix(e.added) for e in entries})
-    app = create_app(backend, api_key=options.api_key)
+    backend = RouterBackend(router, entries)
+    app = create_app(backend, api_key=options.api_key, limits=options.limits)
     runner, port = await start_server(app, options.host, options.port)
     for entry in entries:
         served = router.models[entry.name]
@@ -158,7 +171,7 @@ async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> in
     await stop.wait()
     print("mox: stopping: finishing in-flight requests", file=sys.stderr, flush=True)
     watcher.cancel()
-    await runner.cleanup()            # stops accepting; in-flight get the grace period
+    await stop_server(runner)         # stops accepting; in-flight get the grace period
     backend.shutdown()
     return 0
 

@@ -20,7 +20,7 @@ from mox.engine.runner import ModelRunner, SampledToken
 from mox.engine.scheduler import Scheduler, SchedulerConfig
 from mox.engine.sequence import Sequence, SequenceStatus
 from mox.engine.threads import COMPUTE_THREADS, SharedCores, use_compute_threads
-from mox.errors import InvalidRequestError, ModelNotFoundError, MoxError
+from mox.errors import CheckpointError, InvalidRequestError, ModelNotFoundError, MoxError
 from mox.loaders.spec import ModelSpec
 from mox.messages import FinishReason, Request, RequestOutput
 from mox.models import MoEDecoder
@@ -193,7 +193,9 @@ class Engine:
             time.thread_time())
         try:
             sampled = self.models[batch.model].runner.run(batch)
-        except MoxError as e:          # e.g. a checkpoint file lost while serving
+        except CheckpointError:
+            raise           # the model's files are damaged: its owner fails the whole model
+        except MoxError as e:
             for item in batch.sequences:
                 self._errors[item.seq.request_id] = e
             return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,

@@ -77,6 +77,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.deliver([o for o in [self.driver.abort(request_id)] if o]))
 
+    def abort_all(self, error: Exception) -> None:
+        """End every request, each stream raising `error` (shutdown past its grace)."""
+        self._submit(lambda: self._fail_all(error))
+
     def call(self, fn: Callable[[Driver], object]) -> None:
         """Run `fn(driver)` on the engine thread between steps (inspection, admin)."""
         self._submit(lambda: fn(self.driver))

@@ -38,6 +38,7 @@ import msgspec
 from mox.engine.engine import Engine, StepInfo
 from mox.engine.scheduler import SchedulerConfig
 from mox.errors import (
+    CheckpointError,
     InvalidRequestError,
     ModelNotFoundError,
     ModelUnavailableError,
@@ -171,6 +172,14 @@ class Router:
         del self.models[name]
         return outputs
 
+    def reopen(self, name: str) -> ServedModel:
+        """The model opened again from its files (e.g. a failed one, its files repaired):
+        its requests abort, and it starts cold, or failed again with the reason."""
+        model = self.models.get(name) or self.served(name)
+        path, settings = model.path, model.settings
+        self.remove_model(name)
+        return self.add_model(name, path, settings)
+
     def warm_up(self, name: str, whole: bool | None = None) -> None:
         """Load the model now and wait for it (the offline LLM's start-up); `whole`: every
         expert too (None: as the policy loads whole models or not)."""
@@ -243,7 +252,12 @@ class Router:
         for name, m in self.models.items():
             if m.state == ModelState.WARM:
                 self.engine.set_streaming(name, m.pool.preloading)
-        stepped = self.engine.step()
+        try:
+            stepped = self.engine.step()
+        except CheckpointError as e:       # a file damaged or lost while the model was warm
+            failed = self.models[self.engine.last_step.model]
+            log.error("model %s failed: %s", failed.name, e)
+            return outputs + self._fail(failed, e, "failed")
         self._record(self.engine.last_step, before)
         self._account(stepped)
         return outputs + stepped
@@ -357,12 +371,18 @@ class Router:
             self.replan()
         return outputs
 
-    def _fail(self, model: ServedModel, error: BaseException) -> list[RequestOutput]:
-        model.state, model.error = ModelState.FAILED, str(error)
-        model.pool.resize(0)
-        reason = ModelUnavailableError(f"model {model.name!r} failed to load: {error}")
+    def _fail(self, model: ServedModel, error: BaseException,
+              what: str = "failed to load") -> list[RequestOutput]:
+        """The model serves nothing more until it is re-added: its requests, running or
+        waiting, end with `error`, and its memory is freed."""
+        reason = ModelUnavailableError(f"model {model.name!r} {what}: {error}")
         ids = self.admission.of_model(model.name)
-        return [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
+        outputs = [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
+        if model.state == ModelState.WARM:
+            self.park(model)
+        model.pool.resize(0)
+        model.state, model.error = ModelState.FAILED, str(error)
+        return outputs
 
     def _park_at(self, model: ServedModel) -> float | None:
         """When the model is due to be parked for idleness (None: not while it stays so)."""

@@ -45,6 +45,8 @@ class ServingBackend(Protocol):
       `RequestTimeoutError`, before or while yielding. Closing it (`aclose()`) before it
       finishes aborts the request and frees its KV; the server always closes it. An output
       with finish_reason ABORT ends the request as failed (`error` says why, if known).
+    - `abort_all(error)`: end every running request, its `generate` raising `error`
+      (shutdown past its grace). Returns at once; the ends arrive through `generate`.
     - `snapshot()`: the state `/metrics` reports at scrape time:
         {"models": {name: {"state": "warm", "running": 1, "waiting": 0, "request_rate": 0.5,
                            "dense_resident": True, "planned_slots": 10,
@@ -66,5 +68,7 @@ class ServingBackend(Protocol):
     def chat_template(self, model: str) -> ChatTemplate: ...
 
     def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def abort_all(self, error: Exception) -> None: ...
 
     def snapshot(self) -> dict: ...

@@ -20,6 +20,7 @@ from mox.errors import (
     ModelUnavailableError,
     MoxError,
     RequestTimeoutError,
+    ShuttingDownError,
 )
 from mox.server.responses import ErrorBody, ErrorDetail
 
@@ -40,6 +41,10 @@ class RequestAbortedError(MoxError):
     """The backend ended the request without a reason (e.g. shutting down): 503."""
 
 
+class BodyTimeoutError(MoxError):
+    """The client did not send its whole body within the body timeout (408)."""
+
+
 class EngineFailureError(MoxError):
     """The backend ended the request because serving it failed (e.g. a checkpoint file
     vanished); the message is mox's own, so it is shown: 500."""
@@ -50,44 +55,56 @@ class HttpError:
     status: int
     body: ErrorBody
     headers: dict[str, str] = field(default_factory=dict)
+    close: bool = False          # end the connection after this answer
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body),
-                            content_type="application/json", headers=self.headers)
+        response = web.Response(status=self.status, body=msgspec.json.encode(self.body),
+                                content_type="application/json", headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | None = None, headers: dict[str, str] | None = None) -> HttpError:
-    return HttpError(status, ErrorBody(ErrorDetail(message, type_, param, code)), headers or {})
+def api_error(status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None, headers: dict[str, str] | None = None,
+           close: bool = False) -> HttpError:
+    return HttpError(status, ErrorBody(ErrorDetail(message, type_, param, code)), headers or {},
+                     close)
 
 
 def http_error(exc: BaseException) -> HttpError:
     """The one mapping. Unknown exceptions are bugs: logged with their traceback, answered
     with a generic 500 that leaks nothing."""
     if isinstance(exc, InvalidRequestError):
-        return _error(400, str(exc), "invalid_request_error", exc.param)
+        return api_error(400, str(exc), "invalid_request_error", exc.param)
     if isinstance(exc, ModelNotFoundError):
-        return _error(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return api_error(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, AuthenticationError):
-        return _error(401, str(exc), "invalid_request_error", None, "invalid_api_key")
+        return api_error(401, str(exc), "invalid_request_error", None, "invalid_api_key")
     if isinstance(exc, AdmissionError):
         retry_after = max(MIN_RETRY_AFTER_S, math.ceil(exc.retry_after_s))
-        return _error(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
+        return api_error(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
                       {"Retry-After": str(retry_after)})
+    if isinstance(exc, BodyTimeoutError):
+        return api_error(408, str(exc), "invalid_request_error", None, "request_timeout",
+                      close=True)
+    if isinstance(exc, ShuttingDownError):
+        return api_error(503, str(exc), "service_unavailable_error", None, "shutting_down",
+                      close=True)
     if isinstance(exc, ModelUnavailableError | NotReadyError | RequestAbortedError):
-        return _error(503, str(exc), "service_unavailable_error", None, "service_unavailable")
+        return api_error(503, str(exc), "service_unavailable_error", None, "service_unavailable")
     if isinstance(exc, RequestTimeoutError):
-        return _error(503, str(exc), "service_unavailable_error", None, "request_timeout")
+        return api_error(503, str(exc), "service_unavailable_error", None, "request_timeout")
     if isinstance(exc, EngineFailureError):
-        return _error(500, str(exc), "server_error", None, "internal_error")
+        return api_error(500, str(exc), "server_error", None, "internal_error")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return _error(413, f"request body too large: {exc.text}", "invalid_request_error",
+        return api_error(413, f"request body too large: {exc.text}", "invalid_request_error",
                       None, "request_too_large")
     if isinstance(exc, web.HTTPException) and exc.status >= 400:
-        return _error(exc.status, exc.reason, "invalid_request_error", None,
+        return api_error(exc.status, exc.reason, "invalid_request_error", None,
                       exc.reason.lower().replace(" ", "_"))
     log.error("internal error", exc_info=exc)
-    return _error(500, "internal server error", "server_error", None, "internal_error")
+    return api_error(500, "internal server error", "server_error", None, "internal_error")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -104,7 +121,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         error = http_error(e)
         if isinstance(e, web.HTTPMethodNotAllowed | web.HTTPNotFound):
-            error = _error(e.status, f"{e.reason}: {request.method} {request.path}",
+            error = api_error(e.status, f"{e.reason}: {request.method} {request.path}",
                            "invalid_request_error", None, e.reason.lower().replace(" ", "_"))
         return error.response()
     except Exception as e:  # noqa: BLE001 - the one place every error becomes an answer

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -14,9 +15,10 @@ from msgspec import UNSET
 from mox.errors import InvalidRequestError
 from mox.messages import Request
 from mox.server.backend import ServingBackend
-from mox.server.errors import NotReadyError
+from mox.server.errors import BodyTimeoutError, NotReadyError
 from mox.server.formatting import ChatFormat, CompletionFormat, OutputFormat
 from mox.server.generation import Generation
+from mox.server.limits import ServerLimits
 from mox.server.metrics import ServerMetrics
 from mox.server.protocol import (
     ChatCompletionRequest,
@@ -35,6 +37,7 @@ from mox.tokenizer import Tokenizer
 class ServerContext:
     backend: ServingBackend
     metrics: ServerMetrics
+    limits: ServerLimits
 
 
 CONTEXT = web.AppKey("mox_server_context", ServerContext)
@@ -71,10 +74,21 @@ def _text_ids(tokenizer: Tokenizer | None, text: str, model: str, param: str) ->
     return tokenizer.encode(text)
 
 
+async def _read_body(http_request: web.Request, limits: ServerLimits) -> bytes:
+    """The whole body, within the body timeout (a client sending a byte a second must not
+    hold a connection for ever)."""
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            return await http_request.read()
+    except TimeoutError:
+        raise BodyTimeoutError(f"the request body did not arrive within "
+                               f"{limits.body_timeout_s:g} s") from None
+
+
 async def create_completion(http_request: web.Request) -> web.StreamResponse:
     ctx = http_request.app[CONTEXT]
-    body = decode_body(await http_request.read(), CompletionRequest)
-    params = completion_sampling_params(body)
+    body = decode_body(await _read_body(http_request, ctx.limits), CompletionRequest)
+    params = completion_sampling_params(body, ctx.limits)
     tokenizer = ctx.backend.tokenizer(body.model)
     prompt = completion_prompt(body.prompt)
     prompt_ids = (prompt if isinstance(prompt, list)
@@ -87,8 +101,8 @@ async def create_completion(http_request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(http_request: web.Request) -> web.StreamResponse:
     ctx = http_request.app[CONTEXT]
-    body = decode_body(await http_request.read(), ChatCompletionRequest)
-    params = chat_sampling_params(body)
+    body = decode_body(await _read_body(http_request, ctx.limits), ChatCompletionRequest)
+    params = chat_sampling_params(body, ctx.limits)
     tokenizer = ctx.backend.tokenizer(body.model)
     text = ctx.backend.chat_template(body.model).render(
         [m.as_template_input() for m in body.messages])

@@ -14,9 +14,9 @@ import msgspec
 
 from mox.errors import InvalidRequestError
 from mox.sampling import SamplingParams
+from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
-UNTIL_CONTEXT = 2**31 - 1               # chat's default: the engine stops at the context end
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
 DEFAULT_TEMPERATURE = 1.0
 SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
@@ -119,6 +119,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise InvalidRequestError(f"invalid request body: {message}", param=path or None) from e
     except msgspec.DecodeError as e:
         raise InvalidRequestError(f"malformed JSON body: {e}") from e
+    except RecursionError:      # msgspec's decoder recurses once per nesting level
+        raise InvalidRequestError("malformed JSON body: nested too deeply") from None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -126,11 +128,13 @@ def _require(condition: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
-def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_param: str) -> None:
+def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_param: str,
+                  limits: ServerLimits) -> None:
     _require(body.n in (None, 1), f"n must be 1 (got {body.n}); send one request per choice",
              "n")
-    _require(max_tokens is None or max_tokens >= 1,
-             f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+    _require(max_tokens is None or 1 <= max_tokens <= limits.max_tokens_cap,
+             f"{max_tokens_param} must be in [1, {limits.max_tokens_cap}] (the server's cap), "
+             f"got {max_tokens}", max_tokens_param)
     t = body.temperature
     _require(t is None or 0.0 <= t <= MAX_TEMPERATURE,
              f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", "temperature")
@@ -163,10 +167,11 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingP
         logprobs=logprobs)
 
 
-def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(body: CompletionRequest,
+                               limits: ServerLimits = DEFAULT_LIMITS) -> SamplingParams:
     """Range checks (400 naming the parameter), then SamplingParams. `logprobs`: only the
     chosen token's log-probability is reported, so only `logprobs=0` is accepted."""
-    _check_common(body, body.max_tokens, "max_tokens")
+    _check_common(body, body.max_tokens, "max_tokens", limits)
     _require(body.logprobs in (None, 0), "only logprobs=0 (the chosen token's log-probability)"
              " is supported; top alternatives are not", "logprobs")
     _require(not body.echo, "echo is not supported", "echo")
@@ -176,19 +181,22 @@ def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
     return _params(body, max_tokens, logprobs=body.logprobs is not None)
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(body: ChatCompletionRequest,
+                         limits: ServerLimits = DEFAULT_LIMITS) -> SamplingParams:
     """As completions; `max_completion_tokens` wins over the older `max_tokens`; without
-    either, generation runs to an end of sequence or the model's context."""
+    either, the server's `default_max_tokens` (a request without a limit must not be a
+    lever for running every sequence to the context's end)."""
     limit_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    _check_common(body, limit, limit_param)
+    _check_common(body, limit, limit_param, limits)
     _require(not body.top_logprobs, "top_logprobs is not supported; logprobs=true reports the "
              "chosen token's log-probability", "top_logprobs")
     _require(not body.tools, "tools are not supported", "tools")
     _require(body.response_format is None or body.response_format.type == "text",
              "only response_format type 'text' is supported", "response_format")
     _require(len(body.messages) > 0, "messages must not be empty", "messages")
-    return _params(body, UNTIL_CONTEXT if limit is None else limit, bool(body.logprobs))
+    return _params(body, limits.default_max_tokens if limit is None else limit,
+                   bool(body.logprobs))
 
 
 def completion_prompt(prompt: str | list[int | str | list[int]]) -> str | list[int]:

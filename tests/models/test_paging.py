@@ -72,7 +72,7 @@ def test_bad_pager_arguments_are_refused(hf_checkpoints):
 def test_a_request_hitting_a_damaged_file_fails_and_the_next_works(hf_checkpoints, tmp_path):
     import shutil
 
-    from mox.loaders import CheckpointError
+    from mox.errors import ModelUnavailableError
 
     path = tmp_path / "olmoe"
     shutil.copytree(hf_checkpoints["olmoe"][0], path)
@@ -82,7 +82,7 @@ def test_a_request_hitting_a_damaged_file_fails_and_the_next_works(hf_checkpoint
     shard = path / "model.safetensors"
     saved = shard.read_bytes()
     shard.write_bytes(saved[:len(saved) // 2])        # truncated while serving
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*layer \d expert \d"):
+    with pytest.raises(ModelUnavailableError, match=r"model\.safetensors.*layer \d expert \d"):
         for _ in range(4):                             # until a step misses a lost expert
             _greedy(llm, prompt)
     llm.pool.check_integrity()

@@ -21,7 +21,7 @@ from mox.errors import AdmissionError, ModelNotFoundError, ModelUnavailableError
 from mox.messages import FinishReason, ModelState, Request, RequestOutput
 from mox.router import Router, RouterConfig
 from mox.serve import RouterBackend
-from mox.server.app import create_app, start_server
+from mox.server.app import create_app, start_server, stop_server
 from mox.server.backend import ModelInfo
 from mox.server.chat_template import ChatTemplate
 from mox.tokenizer import Tokenizer
@@ -43,13 +43,15 @@ def live_backend(paths: dict[str, str]) -> RouterBackend:
 class FakeBackend:
     """Models by behaviour: `echo` streams three tokens; `busy` refuses admission; `broken`
     failed to load; `crash` raises a bug; `flaky` fails after its first token; `dies` ends
-    with an aborted output carrying an engine error."""
+    with an aborted output carrying an engine error; `slow` streams a token every 50 ms until
+    `abort_all`."""
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
         self._tokenizer, self._template = tokenizer, template
         self.ready = True
         self.retry_after_s = 0.2
-        self.names = ("echo", "busy", "broken", "crash", "flaky", "dies")
+        self.names = ("echo", "busy", "broken", "crash", "flaky", "dies", "slow")
+        self.abort_error: Exception | None = None
 
     def is_ready(self) -> bool:
         return self.ready
@@ -75,6 +77,11 @@ class FakeBackend:
             raise AdmissionError("queue full", retry_after_s=self.retry_after_s)
         if request.model == "crash":
             raise RuntimeError("secret internals")
+        if request.model == "slow":
+            while self.abort_error is None:
+                yield RequestOutput(rid, [5], "a")
+                await asyncio.sleep(0.05)
+            raise self.abort_error
         if request.model == "dies":
             yield RequestOutput(rid, [], "", FinishReason.ABORT, error="checkpoint vanished")
             return
@@ -83,6 +90,9 @@ class FakeBackend:
             raise RuntimeError("lost the device")
         yield RequestOutput(rid, [6], "b")
         yield RequestOutput(rid, [7], "c", FinishReason.STOP)
+
+    def abort_all(self, error: Exception) -> None:
+        self.abort_error = error
 
     def snapshot(self) -> dict:
         return {"models": {"echo": {"state": "warm", "running": 0, "waiting": 0}},
@@ -121,7 +131,7 @@ class LiveServer:
             conn.close()
 
     def close(self) -> None:
-        self.call(self.runner.cleanup())
+        self.call(stop_server(self.runner))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(WAIT_S)
         self.loop.close()

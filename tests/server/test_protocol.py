@@ -9,9 +9,9 @@ import pytest
 
 from mox.errors import InvalidRequestError
 from mox.server.chat_template import CHATML_TEMPLATE, ChatTemplate
+from mox.server.limits import ServerLimits
 from mox.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    UNTIL_CONTEXT,
     ChatCompletionRequest,
     CompletionRequest,
     chat_sampling_params,
@@ -57,7 +57,26 @@ def test_unknown_fields_are_ignored_and_defaults_apply():
     request = _completion(frobnicate=True, user="u1", nested={"x": [1]})
     params = completion_sampling_params(request)
     assert params.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS and params.temperature == 1.0
-    assert chat_sampling_params(_chat()).max_tokens == UNTIL_CONTEXT
+    assert chat_sampling_params(_chat()).max_tokens == ServerLimits().default_max_tokens
+
+
+def test_chat_without_a_limit_gets_the_servers_default_and_every_limit_is_capped():
+    limits = ServerLimits(default_max_tokens=7, max_tokens_cap=100)
+    assert chat_sampling_params(_chat(), limits).max_tokens == 7
+    assert chat_sampling_params(_chat(max_tokens=100), limits).max_tokens == 100
+    for make, param in ((_chat, "max_completion_tokens"), (_completion, "max_tokens")):
+        params = chat_sampling_params if make is _chat else completion_sampling_params
+        with pytest.raises(InvalidRequestError) as e:
+            params(make(**{param: 101}), limits)
+        assert e.value.param == param and "100" in str(e.value)
+
+
+@pytest.mark.parametrize("opener, closer", [(b'{"a":', b"}"), (b"[", b"]")])
+def test_deeply_nested_json_is_a_400_not_a_crash(opener, closer):
+    depth = 10_000
+    body = b'{"model": "m", "prompt": "x", "extra": ' + opener * depth + b"1" + closer * depth
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        decode_body(body + b"}", CompletionRequest)
 
 
 @pytest.mark.parametrize("fields, param", [
