@@ -29,15 +29,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
+                                      param="max_tokens")
         if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}",
+                                      param="temperature")
         if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k == 0 or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}",
+                                      param="top_k")
         if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", param="stop")
 
     @property
     def is_greedy(self) -> bool:

@@ -185,5 +185,7 @@ async def _watch_registry(registry: Registry, backend: RouterBackend) -> None:
             seen = version
             try:
                 backend.follow_registry(registry.list())
-            except Exception:  # noqa: BLE001 - a bad registry edit must not stop serving
+            except MoxError as e:        # a damaged registry: the models keep serving
+                log.error("registry not reloaded, serving the models as they were: %s", e)
+            except Exception:  # noqa: BLE001 - a bug here must not stop serving
                 log.exception("could not reload %s", registry.path)

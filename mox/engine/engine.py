@@ -9,6 +9,7 @@ once the router hands it its loaded weights (`set_weights`), and its requests wa
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -119,17 +120,20 @@ class Engine:
         spec = model.spec
         prompt = request.prompt_token_ids
         if not prompt:
-            raise InvalidRequestError("empty prompt")
-        if not all(isinstance(t, int) and 0 <= t < spec.vocab_size for t in prompt):
+            raise InvalidRequestError("empty prompt", param="prompt")
+        if not _token_ids(prompt, spec.vocab_size):
             raise InvalidRequestError(f"prompt token ids must be integers in "
-                                      f"[0, {spec.vocab_size})")
+                                      f"[0, {spec.vocab_size})", param="prompt")
+        if not _token_ids(request.params.stop_token_ids, spec.vocab_size):
+            raise InvalidRequestError(f"stop_token_ids must be integers in "
+                                      f"[0, {spec.vocab_size})", param="stop_token_ids")
         if len(prompt) >= spec.max_position_embeddings:
             raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the model's context "
-                                      f"is {spec.max_position_embeddings}")
+                                      f"is {spec.max_position_embeddings}", param="prompt")
         needed = self.kv_pool.blocks_needed(len(prompt) + 1) * model.kv.block_nbytes
         if needed > self.kv_pool.budget_bytes:
             raise InvalidRequestError(f"prompt needs {needed} bytes of KV cache; the pool "
-                                      f"holds {self.kv_pool.budget_bytes}")
+                                      f"holds {self.kv_pool.budget_bytes}", param="prompt")
         params = replace(request.params, extra_eos=model.eos_token_ids)
         seq = Sequence(msgspec.structs.replace(request, params=params),
                        params.new_generator(model.device))
@@ -235,3 +239,8 @@ class Engine:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self._live[seq.request_id]
         return RequestOutput(seq.request_id, tokens, delta, reason, logprobs, error)
+
+
+def _token_ids(ids: Iterable[int], vocab_size: int) -> bool:
+    """Every id an int of the vocabulary."""
+    return all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)

@@ -100,9 +100,11 @@ class Router:
             self.add_model(name, path, (settings or {}).get(name))
 
     # ---- models ------------------------------------------------------------------------
-    def add_model(self, name: str, path: str,
-                  settings: ModelSettings | None = None) -> ServedModel:
-        if name in self.models:
+    def add_model(self, name: str, path: str, settings: ModelSettings | None = None,
+                  replace: bool = False) -> ServedModel:
+        """Serve the checkpoint at `path` as `name` (`replace`: in place of a closed model of
+        that name); a checkpoint that cannot be opened gives a FAILED model saying why."""
+        if name in self.models and not replace:
             raise InvalidRequestError(f"model {name!r} is already served", param="model")
         model = open_served(name, path, self.dtype)
         model.settings = settings or ModelSettings()
@@ -157,10 +159,15 @@ class Router:
 
     def remove_model(self, name: str) -> list[RequestOutput]:
         """Stop serving the model: its requests abort, its memory is freed."""
+        outputs = self._close_model(name, ModelNotFoundError(f"model {name!r} was removed"))
+        del self.models[name]
+        return outputs
+
+    def _close_model(self, name: str, reason: MoxError) -> list[RequestOutput]:
+        """Abort the model's requests with `reason` and free its memory; it stays listed."""
         model = self.models.get(name) or self.served(name)
-        gone = ModelNotFoundError(f"model {name!r} was removed")
         outputs = [out for rid in self.admission.of_model(name)
-                   if (out := self.abort(rid, gone)) is not None]
+                   if (out := self.abort(rid, reason)) is not None]
         if model.state == ModelState.LOADING:
             self._loader.drain()                              # let its load land first
             self._install_landed()
@@ -169,16 +176,15 @@ class Router:
         if model.pool is not None:
             self.engine.remove_model(name)
             model.pool.close()
-        del self.models[name]
         return outputs
 
     def reopen(self, name: str) -> ServedModel:
         """The model opened again from its files (e.g. a failed one, its files repaired):
-        its requests abort, and it starts cold, or failed again with the reason."""
+        its requests abort, and it starts cold, or failed again with the reason. It stays
+        listed throughout (a reader on another thread never finds it missing)."""
         model = self.models.get(name) or self.served(name)
-        path, settings = model.path, model.settings
-        self.remove_model(name)
-        return self.add_model(name, path, settings)
+        self._close_model(name, ModelUnavailableError(f"model {name!r} is being reopened"))
+        return self.add_model(name, model.path, model.settings, replace=True)
 
     def warm_up(self, name: str, whole: bool | None = None) -> None:
         """Load the model now and wait for it (the offline LLM's start-up); `whole`: every

@@ -109,8 +109,14 @@ async def create_chat_completion(http_request: web.Request) -> web.StreamRespons
     prompt_ids = _drop_double_bos(_text_ids(tokenizer, text, body.model, "messages"), tokenizer)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, body.model, tokenizer)
-    return await _respond(http_request, ctx, Request(request_id, body.model, prompt_ids, params),
-                          fmt, body.stream, body.include_usage)
+    try:
+        return await _respond(http_request, ctx,
+                              Request(request_id, body.model, prompt_ids, params), fmt,
+                              body.stream, body.include_usage)
+    except InvalidRequestError as e:
+        if e.param == "prompt":              # a chat's prompt is its rendered messages
+            e.param = "messages"
+        raise
 
 
 def _drop_double_bos(ids: list[int], tokenizer: Tokenizer) -> list[int]:

@@ -8,7 +8,7 @@ silently dropped. `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's extensio
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -20,6 +20,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/co
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
 DEFAULT_TEMPERATURE = 1.0
 SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
+# Registered names are at most 128 characters: a longer one is refused before it can be
+# looked up, or reflected into an error body.
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 T = TypeVar("T")
 
@@ -31,7 +34,7 @@ class StreamOptions(msgspec.Struct):
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """The fields both endpoints share."""
 
-    model: str
+    model: ModelName
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

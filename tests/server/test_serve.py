@@ -1,6 +1,7 @@
 """`mox serve` as users run it: a subprocess on loopback over a registry, with a broken model
 beside good ones, registry changes picked up while running, an API key from the environment,
-and a graceful SIGTERM."""
+a registry damaged under it (one log line, the models serve on), and a SIGTERM whose grace
+a stream outlasts (cut with an error event and [DONE], exit within the grace)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from mox.registry import Registry
 START_S = 60.0
 WAIT_S = 15.0
 KEY = "test-key"
+GRACE_S = 3.0
 
 
 class Served:
@@ -36,7 +38,8 @@ class Served:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mox.cli", "serve", "--home", home, "--port", "0",
-                 "--device-memory", "256MiB"], stderr=log, env=env)
+                 "--device-memory", "256MiB", "--shutdown-grace", str(GRACE_S)],
+                stderr=log, env=env)
         self.port = self._port()
 
     def log(self) -> str:
@@ -125,21 +128,34 @@ def test_serve_end_to_end(home):
         server.wait_for(lambda: server.models()["again"]["settings"] == {
             "pin": False, "priority": 3.0, "keep_alive_s": 60.0})
 
+        with open(os.path.join(home, "registry.json"), "wb") as f:
+            f.write(b"{not json")                     # damaged under a running server
+        server.wait_for(lambda: "registry not reloaded" in server.log())
+        assert "Traceback" not in server.log()        # one line, not a traceback
+        assert server.request("/v1/completions", body)[0] == 200
+
         chunks: queue.Queue = queue.Queue()
         streaming = threading.Thread(target=_stream, args=(server, chunks), daemon=True)
         streaming.start()
         assert chunks.get(timeout=WAIT_S).startswith(b"data: ")     # in flight
         server.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         assert server.proc.wait(timeout=60) == 0, server.log()
+        assert time.monotonic() - signalled < GRACE_S + 3.0        # exit: the grace, and teardown
         streaming.join(timeout=WAIT_S)
-        assert not streaming.is_alive()                   # its stream ended: done or cut
+        assert not streaming.is_alive()
+        lines = []
+        while not chunks.empty():
+            lines.append(chunks.get())
+        assert lines[-1].strip() == b"data: [DONE]"             # cut with an error, then DONE
+        assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
 
 
 def _stream(server: Served, chunks: queue.Queue) -> None:
-    body = json.dumps({"model": "olmoe-demo", "prompt": "Hi", "max_tokens": 400,
+    body = json.dumps({"model": "olmoe-demo", "prompt": "Hi", "max_tokens": 4000,
                        "stream": True, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body)
     req.add_header("Content-Type", "application/json")
@@ -150,4 +166,4 @@ def _stream(server: Served, chunks: queue.Queue) -> None:
                 if line.strip():
                     chunks.put(line)
     except OSError:
-        pass                                          # cut at the end of the grace period
+        pass                                          # the test fails on the missing [DONE]
