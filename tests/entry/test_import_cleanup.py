@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mox.cli import main
-from mox.cli_models import format_bytes, is_staging_of, staging_folders
+from mox.model_import import format_bytes, is_staging_of, staging_folders
 from mox.registry import Registry
 
 DEMO = "qwen2-moe-demo"          # the smallest demo checkpoint (~18 MB)
@@ -22,14 +22,14 @@ READY_TIMEOUT_S = 30             # bound on the importer's start (imports torch)
 # folder, before the check and the switch: a deterministic point to kill it at.
 HUNG_IMPORT = """
 import sys, time
-import mox.cli_models as cli_models
+import mox.model_import as model_import
 from mox.cli import main
 
 def hang(*args, **kwargs):
     open(sys.argv[3], "w").close()
     time.sleep(600)
 
-cli_models.check_same_tensors = hang
+model_import.check_same_tensors = hang
 sys.exit(main(["models", "import", sys.argv[1], "--home", sys.argv[2]]))
 """
 

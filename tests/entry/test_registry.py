@@ -14,11 +14,11 @@ import pytest
 
 from mox import LLM
 from mox.cli import main
-from mox.cli_models import check_same_tensors
 from mox.errors import InvalidRequestError, ModelNotFoundError
 from mox.loaders import Checkpoint
 from mox.loaders.repack import ALIGNMENT, is_expert_major
 from mox.messages import ModelSettings
+from mox.model_import import check_same_tensors
 from mox.registry import REGISTRY_FILE, Registry, RegistryError
 
 DEMO = "qwen2-moe-demo"          # the smallest demo checkpoint (~18 MB)
