@@ -16,7 +16,6 @@ from mox.cli import main
 from mox.model_import import format_bytes, is_staging_of, staging_folders
 from mox.registry import Registry
 
-DEMO = "qwen2-moe-demo"          # the smallest demo checkpoint (~18 MB)
 READY_TIMEOUT_S = 30             # bound on the importer's start (imports torch) and repack
 # A real `mox models import` that stops once the repacked copy is complete in its staging
 # folder, before the check and the switch: a deterministic point to kill it at.
@@ -34,14 +33,6 @@ sys.exit(main(["models", "import", sys.argv[1], "--home", sys.argv[2]]))
 """
 
 
-@pytest.fixture
-def home(tmp_path) -> str:
-    return str(tmp_path / "home")
-
-
-@pytest.fixture
-def demo_path(demo_home) -> str:
-    return os.path.join(demo_home, "models", DEMO)
 
 
 @pytest.fixture

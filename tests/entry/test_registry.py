@@ -21,19 +21,9 @@ from mox.messages import ModelSettings
 from mox.model_import import check_same_tensors
 from mox.registry import REGISTRY_FILE, Registry, RegistryError
 
-DEMO = "qwen2-moe-demo"          # the smallest demo checkpoint (~18 MB)
 BF16_NAN = b"\xc0\x7f"           # 0x7fc0, a quiet NaN in bfloat16, little-endian
 
 
-@pytest.fixture
-def home(tmp_path) -> str:
-    return str(tmp_path / "home")
-
-
-@pytest.fixture
-def demo_path(demo_home) -> str:
-    """Shared by the session: tests only read it."""
-    return os.path.join(demo_home, "models", DEMO)
 
 
 @pytest.fixture
