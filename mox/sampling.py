@@ -11,7 +11,9 @@ import torch
 
 from mox.errors import InvalidRequestError
 
-GREEDY_TEMPERATURE = 0.0
+# Below this, sampling is greedy: logits / 1e-39 overflow float32 to inf and the softmax to
+# NaN, and no temperature this small differs from argmax anyway (vLLM's floor too).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == GREEDY_TEMPERATURE
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_token_ids or (
@@ -72,6 +74,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token always survives)
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False            # even when top_p rounds to 0.0 in float32
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

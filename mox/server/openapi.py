@@ -35,17 +35,23 @@ DOCUMENTED_TYPES = (CompletionRequest, ChatCompletionRequest, Completion, ChatCo
 # Every error is an ErrorBody; these say when each status happens.
 ERROR_STATUSES = {
     400: "Malformed JSON, a wrong type, or a parameter out of range or unsupported "
-         "(`param` names it).",
+         "(`param` names it); or a request the HTTP parser refused.",
     401: "Missing or wrong API key (only when the server was started with one).",
     404: "Unknown model (`code: model_not_found`) or route.",
     408: "The request's headers or body were not received in time.",
     413: "The request body is larger than the server's limit.",
+    414: "The request line (the URL) is too long.",
+    417: "An `Expect` header other than `100-continue`.",
     429: "Admission refused: the model's queue is full; retry after `Retry-After` seconds.",
-    503: "Not ready, the model is unavailable (failed or loading), or shutting down.",
+    431: "A header too large, or too many headers.",
+    503: "Not ready, the model is unavailable (failed or loading), shutting down, or too many "
+         "open connections.",
     500: "A bug or an engine failure; the message names no internals.",
 }
+# What any route can answer: the HTTP parser, the read timeouts, the connection cap and
+# shutdown act before routing, and a bug can happen anywhere.
+ANY_ROUTE_ERRORS = (400, 408, 414, 431, 503, 500)
 GENERATION_ERRORS = tuple(ERROR_STATUSES)
-READ_ERRORS = (408, 500)       # any route can time out reading, or fail
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -105,16 +111,16 @@ def _paths() -> dict[str, Any]:
             "operationId": "listModels", "summary": "The models this server serves.",
             "responses": {"200": {"description": "The models and their states.",
                                   "content": {"application/json": {"schema": _ref("ModelList")}}},
-                          **_errors((401, *READ_ERRORS))}}},
+                          **_errors((401, *ANY_ROUTE_ERRORS))}}},
         "/v1/completions": _generation("createCompletion", "Complete a prompt.",
                                        "CompletionRequest", "Completion", "Completion"),
         "/v1/chat/completions": _generation("createChatCompletion", "Answer a conversation.",
                                             "ChatCompletionRequest", "ChatCompletion",
                                             "ChatCompletionChunk"),
-        "/health": _open_get("health", "Ready to serve.", health, (503, *READ_ERRORS)),
+        "/health": _open_get("health", "Ready to serve.", health, ANY_ROUTE_ERRORS),
         "/metrics": _open_get("metrics", "Prometheus metrics.",
-                              {"text/plain": {"schema": {"type": "string"}}}, READ_ERRORS),
-        "/openapi.json": _open_get("openapi", "This document.", json_object, READ_ERRORS),
+                              {"text/plain": {"schema": {"type": "string"}}}, ANY_ROUTE_ERRORS),
+        "/openapi.json": _open_get("openapi", "This document.", json_object, ANY_ROUTE_ERRORS),
     }
 
 

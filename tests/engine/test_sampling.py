@@ -30,6 +30,15 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert set(_draws(SamplingParams(top_p=1e-6, seed=0), logits, 10)) == {int(logits.argmax())}
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-39, seed=0), SamplingParams(temperature=5e-324, seed=0),
+    SamplingParams(top_p=5e-324, seed=0), SamplingParams(top_p=5.7e-288, seed=0)])
+def test_parameters_that_underflow_float32_sample_the_argmax(params):
+    """Found by the API fuzz: these made inf/NaN probabilities and a failed step."""
+    logits = torch.randn(50) * 10
+    assert set(_draws(params, logits, 5)) == {int(logits.argmax())}
+
+
 def test_top_k_keeps_only_the_k_best():
     logits = torch.randn(50)
     best = set(torch.topk(logits, 3).indices.tolist())

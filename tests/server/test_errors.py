@@ -37,9 +37,9 @@ TOO_LONG = [1] * 4096       # the demo models' context is 4096 positions
     ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("/v1/completions", {**GOOD, "model": "no-such-model"}, 404, "model"),
-    ("/v1/completions", {**GOOD, "prompt": TOO_LONG}, 400, None),
-    ("/v1/completions", {**GOOD, "prompt": TOO_LONG, "stream": True}, 400, None),
-    ("/v1/completions", {**GOOD, "prompt": [5000]}, 400, None),       # outside the vocab
+    ("/v1/completions", {**GOOD, "prompt": TOO_LONG}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": TOO_LONG, "stream": True}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [5000]}, 400, "prompt"),       # outside the vocab
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 1}]},
      400, "messages[0].content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
