@@ -72,7 +72,7 @@ class Engine:
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
         self.models: dict[str, _Model] = {}
         self._live: dict[str, _Live] = {}
-        self._errors: dict[str, MoxError] = {}     # why a request aborted; its owner takes it
+        self._errors: dict[str, Exception] = {}    # why a request aborted; its owner takes it
         # the batch of the step in progress (read from other threads), and of the last one
         self.current_step: StepInfo | None = None
         self.last_step: StepInfo | None = None
@@ -153,7 +153,7 @@ class Engine:
         return self._finish(live, FinishReason.ABORT, [], "",
                             error=None if error is None else str(error))
 
-    def take_error(self, request_id: str) -> MoxError | None:
+    def take_error(self, request_id: str) -> Exception | None:
         """Why the request aborted, if it failed (its owner takes it once)."""
         return self._errors.pop(request_id, None)
 
@@ -199,7 +199,7 @@ class Engine:
             sampled = self.models[batch.model].runner.run(batch)
         except CheckpointError:
             raise           # the model's files are damaged: its owner fails the whole model
-        except MoxError as e:
+        except Exception as e:  # noqa: BLE001 - a refusal or a bug ends this batch, no other
             for item in batch.sequences:
                 self._errors[item.seq.request_id] = e
             return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,

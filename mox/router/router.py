@@ -231,7 +231,7 @@ class Router:
         self.admission.forget(request_id)
         return self.engine.abort(request_id, error)
 
-    def take_error(self, request_id: str) -> MoxError | None:
+    def take_error(self, request_id: str) -> Exception | None:
         """Why the request aborted, if it failed (its owner takes it once)."""
         return self.engine.take_error(request_id)
 

@@ -107,6 +107,24 @@ def test_aborts_free_kv_at_once(hf_checkpoints):
     assert engine.abort("r0") is None                  # already gone
 
 
+def test_a_failing_step_ends_only_its_batch(hf_checkpoints):
+    """A bug in one model's step aborts that batch's requests with the error; the other
+    model's requests finish, and the KV pool drains."""
+    engine, models = _engine(hf_checkpoints, names=("mixtral", "qwen3_moe"))
+
+    def broken(batch):
+        raise RuntimeError("a bug")
+
+    engine.models["mixtral"].runner.run = broken
+    engine.add_request(Request("bad", "mixtral", [1, 2, 3], GREEDY))
+    engine.add_request(Request("good", "qwen3_moe", [1, 2, 3], GREEDY))
+    outputs = _run(engine)
+    assert outputs["bad"][-1].finish_reason == FinishReason.ABORT
+    assert isinstance(engine.take_error("bad"), RuntimeError)
+    assert len(_tokens(outputs["good"])) == GREEDY.max_tokens
+    assert engine.kv_pool.used_bytes == 0
+
+
 def test_no_model_starves_and_an_idle_model_is_served(hf_checkpoints):
     engine, models = _engine(hf_checkpoints)
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
