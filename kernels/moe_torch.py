@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .activation import SILU, Activation
 
 NOT_RESIDENT = -1
@@ -29,6 +30,9 @@ GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
 # torch's CPU grouped_mm visits every group, empty or not (a few small ops each): it pays only
 # when most slots of the range it is given are in use.
 GROUPED_MM_MIN_ACTIVE_FRACTION = 0.5
+# Up to this many rows per active expert (decode), the native kernel reads each expert once at
+# the full read rate; past it the GEMMs' arithmetic dominates and torch's paths win.
+NATIVE_MAX_ROWS_PER_EXPERT = 16
 
 
 @dataclass
@@ -82,6 +86,14 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
     active = [slot for slot, n in enumerate(num_per_slot) if n]
     lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
+    if (not experts.has_bias and experts.activation.kind == SILU
+            and num_rows <= NATIVE_MAX_ROWS_PER_EXPERT * len(active)
+            and native.takes_experts(rows, w13, w2)):
+        contrib = _native_experts(rows, experts, active, num_per_slot,
+                                  topk_weights.reshape(-1)[order], ws)
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, contrib)
+        return out.to(out_dtype)
     if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
@@ -125,15 +137,38 @@ def _one_token(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     for slot, weight in zip(slots, topk_weights[0].tolist()):
         if slot == NOT_RESIDENT:
             continue
-        gate_up = torch.mv(experts.w13[slot], x[0])                          # [2I]
+        gate_up = _mv(experts.w13[slot], x[0])                               # [2I]
         if experts.has_bias:
             gate_up = gate_up + experts.b13[slot]
         act = experts.activation(gate_up[:inter], gate_up[inter:])           # [I]
-        down = torch.mv(experts.w2[slot], act)                               # [H]
+        down = _mv(experts.w2[slot], act)                                    # [H]
         if experts.has_bias:
             down = down + experts.b2[slot]
         out.add_(down.float(), alpha=weight)
     return out[None]                                                         # [1, H]
+
+
+def _native_experts(rows: torch.Tensor, experts: _Experts, active: list[int],
+                    num_per_slot: list[int], row_weights: torch.Tensor,
+                    ws: MoEWorkspace) -> torch.Tensor:
+    """The native kernel over every active slot at once: `[P', H]` f32, rows weighted."""
+    counts = [num_per_slot[s] for s in active]
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    runs = [torch.tensor(v, dtype=torch.int64) for v in (active, starts, counts)]
+    num_rows, hidden, inter = rows.shape[0], rows.shape[1], experts.inter
+    scratch = [ws.get("gate_up", num_rows, 2 * inter, torch.float32, rows.device),
+               ws.get("act", num_rows, inter, torch.bfloat16, rows.device),
+               ws.get("contrib", num_rows, hidden, torch.float32, rows.device)]
+    return native.kernels().moe_silu(rows, experts.w13, experts.w2, runs, row_weights, scratch)
+
+
+def _mv(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w @ v, through the native kernel where it serves (bf16 on a CPU with AVX512-BF16)."""
+    if native.takes(v[None], w):
+        return native.gemv_bf16(v[None], w)[0]
+    return torch.mv(w, v)
 
 
 def _grouped_experts(rows: torch.Tensor, experts: _Experts, lo: int, hi: int,

@@ -10,15 +10,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mox.kernels import native
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except one bf16 row on the CPU (batch-1 decode), where torch.mv streams the
-    weight faster than the GEMM F.linear dispatches to (measured here, 2 threads: 32000x512
-    1.3 vs 2.2 ms, 1024x1024 86 vs 134 us)."""
-    if x.shape[0] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
+    """F.linear, except a few bf16 rows on the CPU (decode), where the native kernel reads
+    the weight at the machine's full rate, about twice what torch's GEMMs reach for that
+    shape (bench/results/read_rate.md)."""
+    if not native.takes(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.mv(weight, x[0])[None]
+    out = native.gemv_bf16(x, weight)
     return out if bias is None else out + bias
 
 

@@ -1,0 +1,164 @@
+/* bf16 matrix-vector products for CPU decode: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows
+ * m of x (decode: one per sequence) against a row-major weight w [N, K] read in place.
+ *
+ * Decode on a CPU is bound by reading the weight once; the GEMMs torch dispatches to for a
+ * few rows read it at half the machine's rate. Here each thread walks its rows of w in
+ * memory order (one linear stream, which the hardware prefetcher follows at the full read
+ * rate), every x row reusing each loaded cache line: AVX512-BF16 dot products (vdpbf16ps)
+ * into fp32 accumulators. A plain-C path computes the same sums on CPUs without AVX512-BF16
+ * (tests run it everywhere; mox only routes work here where the fast path exists).
+ *
+ * Built at first use by mox/kernels/native.py (cc -O3 -fopenmp); threads are OpenMP's, the
+ * same runtime torch uses, so torch.set_num_threads governs both.
+ */
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define MAX_ROWS 8
+
+int mox_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* one weight row against M x rows; K a multiple of 32 */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
+                              int64_t ldy, int M, int64_t K) {
+    __m512 acc[MAX_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {          /* two independent chains per x row */
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32));
+        for (int m = 0; m < M; m++) {
+            const uint16_t *xm = x + m * ldx + k;
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xm), w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
+        }
+    }
+    if (k < K) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
+        for (int m = 0; m < M; m++)
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0],
+                                         (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w0);
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+static void gemv_avx512(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                        float *y, int64_t ldy, int M, int64_t N, int64_t K) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        row_avx512(x, ldx, w + n * ldw, y + n, ldy, M, K);
+}
+
+static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
+                      int64_t ldy, int M, int64_t K) {
+    for (int m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++)
+            sum += bf16_to_f32(x[m * ldx + k]) * bf16_to_f32(row[k]);
+        out[m * ldy] = sum;
+    }
+}
+
+static void gemv_plain(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                       float *y, int64_t ldy, int M, int64_t N, int64_t K) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        row_plain(x, ldx, w + n * ldw, y + n, ldy, M, K);
+}
+
+/* one weight row against `count` x rows (any count: MAX_ROWS at a time, the row stays in L1) */
+static void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const uint16_t *row,
+                     float *out, int64_t ldy, int64_t K, int fast) {
+    for (int64_t c = 0; c < count; c += MAX_ROWS) {
+        int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
+        if (fast)
+            row_avx512(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
+        else
+            row_plain(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
+    }
+}
+
+static uint16_t f32_to_bf16(float f) {           /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* y [M, N] f32 (row stride ldy) = x [M, K] bf16 (ldx) . w [N, K]^T bf16 (ldw). M <= 8; the
+ * fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1 for arguments it
+ * does not take. */
+int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
+                  int64_t ldy, int64_t M, int64_t N, int64_t K, int fast) {
+    if (M < 1 || M > MAX_ROWS || N < 1 || K < 1)
+        return -1;
+    if (fast) {
+        if (K % 32 != 0 || !mox_has_avx512bf16())
+            return -1;
+        gemv_avx512(x, ldx, w, ldw, y, ldy, (int)M, N, K);
+    } else {
+        gemv_plain(x, ldx, w, ldw, y, ldy, (int)M, N, K);
+    }
+    return 0;
+}
+
+/* The SiLU-gated experts of one MoE layer for a few rows each (decode), in one call.
+ * `rows` [P, H] bf16: the tokens' hidden states gathered and sorted by slot; active slot a
+ * owns rows [starts[a], starts[a] + counts[a]). Weights read in place from the slot pools:
+ * w13 slot s at w13 + s * s13 ([2I, H]: gate rows, then up rows), w2 at w2 + s * s2 ([H, I]).
+ * Out: `down` [P, H] f32 = row_weight * (silu(gate) * up) @ w2[s]^T. Scratch: `gate_up`
+ * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, split across
+ * the threads; the activation is rounded to bf16 once, as the down projection reads it. */
+int mox_moe_silu_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
+                      const uint16_t *w2, int64_t s2, const int64_t *slots,
+                      const int64_t *starts, const int64_t *counts, int64_t num_active,
+                      const float *row_weights, int64_t H, int64_t I, float *gate_up,
+                      uint16_t *act, float *down, int fast) {
+    if (fast && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
+        return -1;
+    int64_t n13 = 2 * I, num_rows = 0;
+    for (int64_t a = 0; a < num_active; a++)
+        num_rows += counts[a];
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_active * n13; j++) {
+            int64_t a = j / n13, n = j % n13;
+            rows_dot(rows + starts[a] * H, H, counts[a], w13 + slots[a] * s13 + n * H,
+                     gate_up + starts[a] * n13 + n, n13, H, fast);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_rows * I; j++) {
+            int64_t p = j / I, i = j % I;
+            float g = gate_up[p * n13 + i], u = gate_up[p * n13 + I + i];
+            act[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_active * H; j++) {
+            int64_t a = j / H, h = j % H;
+            float *out = down + starts[a] * H + h;
+            rows_dot(act + starts[a] * I, I, counts[a], w2 + slots[a] * s2 + h * I, out, H, I,
+                     fast);
+            for (int64_t c = 0; c < counts[a]; c++)
+                out[c * H] *= row_weights[starts[a] + c];
+        }
+    }
+    return 0;
+}

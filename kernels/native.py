@@ -1,0 +1,155 @@
+"""The CPU decode kernels of `csrc/bf16_gemv.c`, built at first use and called through ctypes.
+
+A decode step on a CPU reads every weight it touches once for a few rows of activations; the
+GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
+(bench/results/read_rate.md). `gemv_bf16(x, w)` reads `w` in place at the full rate.
+
+The shared library is compiled with the system C compiler into a per-user cache, keyed by the
+source's hash; without a compiler, on a CPU without AVX512-BF16, or with
+`MOX_NATIVE_KERNELS=0`, `available()` is False and callers keep torch's path. The plain-C
+path of the same library (`fast=False`) exists so tests can check the arithmetic anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger("mox.kernels")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bf16_gemv.c")
+MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
+K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
+COMPILE_TIMEOUT_S = 120
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mox", "native")
+
+
+def _build(source: str) -> str | None:
+    """The shared library for `source`, compiled once per source hash (None: no compiler)."""
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    folder = _cache_dir()
+    target = os.path.join(folder, f"bf16_gemv-{digest}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(folder, exist_ok=True)
+    fd, staged = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", source,
+               "-o", staged, "-lm"]
+    try:
+        subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.info("native CPU kernels unavailable (%s): %s", " ".join(command),
+                 detail.decode(errors="replace")[-300:] or e)
+        os.unlink(staged)
+        return None
+    os.replace(staged, target)             # atomic: a concurrent build wrote the same bytes
+    return target
+
+
+class NativeKernels:
+    def __init__(self, path: str) -> None:
+        self._lib = ctypes.CDLL(path)
+        gemv = self._lib.mox_gemv_bf16
+        gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_int]
+        gemv.restype = ctypes.c_int
+        self._gemv = gemv
+        moe = self._lib.mox_moe_silu_bf16
+        moe.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                        + [ctypes.c_int])
+        moe.restype = ctypes.c_int
+        self._moe = moe
+        self.fast = bool(self._lib.mox_has_avx512bf16())
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+             fast: bool = True) -> torch.Tensor:
+        """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
+        `[M, N]` float32 (into `out` if given)."""
+        (num_rows, k), n = x.shape, w.shape[0]
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
+                or w.stride(1) != 1 or w.shape[1] != k):
+            raise ValueError(f"gemv_bf16 takes bf16 rows with unit stride, got x "
+                             f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+        out = torch.empty(num_rows, n, dtype=torch.float32) if out is None else out
+        status = self._gemv(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
+                            out.data_ptr(), out.stride(0), num_rows, n, k, int(fast))
+        if status != 0:
+            raise ValueError(f"gemv_bf16 refused M={num_rows} N={n} K={k} fast={fast}")
+        return out
+
+
+    def moe_silu(self, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 runs: list[torch.Tensor], row_weights: torch.Tensor,
+                 scratch: list[torch.Tensor], fast: bool = True) -> torch.Tensor:
+        """SiLU-gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
+        `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot); `runs`: three int64 `[A]`
+        tensors, the slot, first row and number of rows of each active slot; `row_weights
+        [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16 and the result
+        `[P, H]` f32, each row scaled by its routing weight, which is returned."""
+        num_rows, hidden = rows.shape
+        inter = w2.shape[2]
+        slots, starts, counts = (r.to(torch.int64).contiguous() for r in runs)
+        row_weights = row_weights.to(torch.float32).contiguous()
+        gate_up, act, down = scratch
+        for t in (rows, w13, w2, gate_up, act, down):
+            if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError("moe_silu takes tensors contiguous per slot and per row")
+        if rows.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or (
+                w2.dtype != torch.bfloat16):
+            raise ValueError("moe_silu takes bf16 rows and weights")
+        status = self._moe(rows.data_ptr(), w13.data_ptr(), w13.stride(0), w2.data_ptr(),
+                           w2.stride(0), slots.data_ptr(), starts.data_ptr(),
+                           counts.data_ptr(), slots.shape[0], row_weights.data_ptr(), hidden,
+                           inter, gate_up.data_ptr(), act.data_ptr(), down.data_ptr(),
+                           int(fast))
+        if status != 0:
+            raise ValueError(f"moe_silu refused H={hidden} I={inter} fast={fast}")
+        return down
+
+
+@functools.cache
+def kernels() -> NativeKernels | None:
+    """The loaded library, or None where it cannot be built (or is switched off)."""
+    if os.environ.get("MOX_NATIVE_KERNELS", "1") == "0":
+        return None
+    path = _build(SOURCE)
+    return NativeKernels(path) if path is not None else None
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the fast kernel serves `x @ w.T` here (else torch's GEMM should)."""
+    native = kernels()
+    return (native is not None and native.fast and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
+            and x.stride(1) == 1 and w.stride(1) == 1)
+
+
+def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `moe_silu`'s fast path serves these experts here."""
+    native = kernels()
+    return (native is not None and native.fast and rows.device.type == "cpu"
+            and rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
+            and rows.shape[1] % K_MULTIPLE == 0 and w2.shape[2] % K_MULTIPLE == 0)
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x [M, K] @ w [N, K].T` in bf16 (fp32 sums, rounded once); callers check `takes`."""
+    return kernels().gemv(x, w).to(torch.bfloat16)

@@ -1,0 +1,98 @@
+"""The native CPU decode kernels (kernels/csrc/bf16_gemv.c) against fp32 references: the
+matrix-vector products and the fused SiLU experts, on both of the library's paths (the
+AVX512-BF16 one runs where the CPU has it; the plain-C one everywhere), and the fused-MoE
+entry point with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox.kernels import moe_torch, native
+from mox.kernels.moe_torch import fused_moe_torch, reference_fused_moe
+
+NATIVE = native.kernels()
+PATHS = [pytest.param(False, id="plain"),
+         pytest.param(True, id="avx512bf16", marks=pytest.mark.skipif(
+             NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX512-BF16"))]
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("fast", PATHS)
+@pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (1, 1000, 1024), (3, 257, 96),
+                                        (8, 64, 512), (5, 33, 4096)])
+def test_gemv_matches_fp32(fast, rows, n, k):
+    x, w = _bf16(rows, k, seed=1), _bf16(n, k, seed=2)
+    got = NATIVE.gemv(x, w, fast=fast)
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * k ** 0.5)
+
+
+@pytest.mark.parametrize("fast", PATHS)
+def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take(fast):
+    x = _bf16(4, 128, seed=3)[:, :64]                  # rows 128 apart, 64 used
+    w = _bf16(20, 64, seed=4)
+    torch.testing.assert_close(NATIVE.gemv(x, w, fast=fast), x.float() @ w.float().t(),
+                               rtol=1e-4, atol=1e-2)
+    with pytest.raises(ValueError):
+        NATIVE.gemv(_bf16(9, 64, seed=5), w, fast=fast)          # more rows than it takes
+    with pytest.raises(ValueError):
+        NATIVE.gemv(x.float(), w.float(), fast=fast)
+
+
+def _experts(num_slots: int, hidden: int, inter: int):
+    return _bf16(num_slots, 2 * inter, hidden, seed=6) * 0.1, _bf16(
+        num_slots, hidden, inter, seed=7) * 0.1
+
+
+@pytest.mark.parametrize("fast", PATHS)
+@pytest.mark.parametrize("counts", [[1], [2, 1, 3], [9, 1], [17, 4, 1, 1]])
+def test_moe_silu_matches_the_reference(fast, counts):
+    hidden, inter, num_slots = 64, 96, 6
+    w13, w2 = _experts(num_slots, hidden, inter)
+    slots = [5, 0, 3, 2][:len(counts)]
+    num_rows = sum(counts)
+    rows = _bf16(num_rows, hidden, seed=8)
+    weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(9))
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    runs = [torch.tensor(v) for v in (slots, starts, counts)]
+    scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
+                                                             dtype=torch.bfloat16),
+               torch.empty(num_rows, hidden)]
+    got = NATIVE.moe_silu(rows, w13, w2, runs, weights, scratch, fast=fast)
+    slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
+    gate_up = torch.einsum("ph,pnh->pn", rows.float(), w13[slot_of_row].float())
+    act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).bfloat16()
+    want = torch.einsum("pi,phi->ph", act.float(), w2[slot_of_row].float()) * weights[:, None]
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_fused_moe_with_the_native_kernels_matches_the_reference(num_tokens, monkeypatch):
+    """Decode shapes take the native kernels where they serve; either way, the result is the
+    fp32 definition's within bf16 rounding."""
+    hidden, inter, num_experts, k = 64, 96, 8, 2
+    w13, w2 = _experts(num_experts, hidden, inter)
+    x = _bf16(num_tokens, hidden, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:k]
+                            for _ in range(num_tokens)])
+    topk_weights = torch.rand(num_tokens, k, generator=gen)
+    slot_of = torch.tensor([3, 1, -1, 0, 7, 6, 5, 2])            # expert 2 not resident
+    want = reference_fused_moe(x, w13, w2, topk_weights, topk_ids, slot_of).float()
+    got = fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)    # bf16: 2^-8 of values ~1
+    monkeypatch.setattr(moe_torch.native, "kernels", lambda: None)          # torch's paths
+    old = fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, out_dtype=torch.float32)
+    torch.testing.assert_close(old, want, rtol=2e-2, atol=1e-2)    # bf16: 2^-8 of values ~1
+
+
+def test_no_compiler_means_no_native_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")                 # a compiler that always fails
+    assert native._build(native.SOURCE) is None
+    assert not list(tmp_path.rglob("*.so"))           # nothing half-built left behind
