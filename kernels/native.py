@@ -1,4 +1,5 @@
-"""The CPU decode kernels of `csrc/bf16_gemv.c`, built at first use and called through ctypes.
+"""The CPU decode kernels of `csrc/` (bf16_gemv.c, decode_attention.c), built at first use and
+called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -12,6 +13,8 @@ path of the same library (`fast=False`) exists so tests can check the arithmetic
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -24,10 +27,12 @@ import torch
 
 log = logging.getLogger("mox.kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bf16_gemv.c")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
 K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
 COMPILE_TIMEOUT_S = 120
+# Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
+_OFF = contextvars.ContextVar("mox_native_off", default=False)
 
 
 def _cache_dir() -> str:
@@ -35,18 +40,23 @@ def _cache_dir() -> str:
     return os.path.join(base, "mox", "native")
 
 
-def _build(source: str) -> str | None:
-    """The shared library for `source`, compiled once per source hash (None: no compiler)."""
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+def _build(source_dir: str) -> str | None:
+    """One shared library of every C file in `source_dir`, compiled once per hash of their
+    bytes (None: no compiler)."""
+    sources = sorted(os.path.join(source_dir, f) for f in os.listdir(source_dir)
+                     if f.endswith(".c"))
+    digest = hashlib.sha256()
+    for source in sources:
+        with open(source, "rb") as f:
+            digest.update(f.read())
     folder = _cache_dir()
-    target = os.path.join(folder, f"bf16_gemv-{digest}.so")
+    target = os.path.join(folder, f"mox_cpu-{digest.hexdigest()[:16]}.so")
     if os.path.exists(target):
         return target
     os.makedirs(folder, exist_ok=True)
     fd, staged = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
-    command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", source,
+    command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", *sources,
                "-o", staged, "-lm"]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
@@ -76,6 +86,13 @@ class NativeKernels:
                         + [ctypes.c_int])
         moe.restype = ctypes.c_int
         self._moe = moe
+        attend = self._lib.mox_decode_attention_bf16
+        attend.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64,
+                                                     ctypes.c_void_p, ctypes.c_int])
+        attend.restype = ctypes.c_int
+        self._attend = attend
         self.fast = bool(self._lib.mox_has_avx512bf16())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -124,19 +141,57 @@ class NativeKernels:
         return down
 
 
+    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                         scale: float, window: int | None, fast: bool = True) -> torch.Tensor:
+        """q `[T, h, d]` bf16; `keys [N, h_kv, d]`, `values [N, h_kv, dv]`: the layer's store
+        as flat slots (rows contiguous); token t attends to the keys at
+        `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32."""
+        num_tokens, heads, dim = q.shape
+        kv_heads, value_dim = keys.shape[1], values.shape[2]
+        for t in (q, keys, values):
+            if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError("decode_attention takes bf16 rows contiguous per head")
+        slots, starts, lengths = (v.to(torch.int64).contiguous() for v in (slots, starts,
+                                                                             lengths))
+        out = torch.empty(num_tokens, heads, value_dim)
+        status = self._attend(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
+                              keys.stride(0), values.stride(0), slots.data_ptr(),
+                              starts.data_ptr(), lengths.data_ptr(), num_tokens, heads,
+                              kv_heads, dim, value_dim, scale, window or 0, out.data_ptr(),
+                              int(fast))
+        if status != 0:
+            raise ValueError(f"decode_attention refused h={heads} h_kv={kv_heads} d={dim}")
+        return out
+
+
 @functools.cache
 def kernels() -> NativeKernels | None:
     """The loaded library, or None where it cannot be built (or is switched off)."""
     if os.environ.get("MOX_NATIVE_KERNELS", "1") == "0":
         return None
-    path = _build(SOURCE)
+    path = _build(SOURCE_DIR)
     return NativeKernels(path) if path is not None else None
+
+
+@contextlib.contextmanager
+def torch_paths():
+    """Within it (this thread or task), `takes*` say no: the previous paths, for comparison."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+def _fast() -> bool:
+    native = kernels()
+    return native is not None and native.fast and not _OFF.get()
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the fast kernel serves `x @ w.T` here (else torch's GEMM should)."""
-    native = kernels()
-    return (native is not None and native.fast and x.device.type == "cpu"
+    return (_fast() and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
             and x.stride(1) == 1 and w.stride(1) == 1)
@@ -144,10 +199,15 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `moe_silu`'s fast path serves these experts here."""
-    native = kernels()
-    return (native is not None and native.fast and rows.device.type == "cpu"
+    return (_fast() and rows.device.type == "cpu"
             and rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
             and rows.shape[1] % K_MULTIPLE == 0 and w2.shape[2] % K_MULTIPLE == 0)
+
+
+def takes_attention(q: torch.Tensor, kv) -> bool:
+    """Whether `decode_attention`'s fast path serves these queries over store `kv` here."""
+    return (_fast() and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and kv.dtype == torch.bfloat16)
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

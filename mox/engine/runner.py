@@ -60,6 +60,12 @@ class ModelRunner:
                                tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
                                logits_indices=tensor(sample_at), max_position=max(pos))
         forward.padded = self._padded_layout(batch, len(ids), len(kv_slots))
+        if len(ids) == len(batch.sequences):                 # one new token each: decode
+            lengths = [item.seq.num_computed_tokens + 1 for item in batch.sequences]
+            starts = [0]
+            for n in lengths[:-1]:
+                starts.append(starts[-1] + n)
+            forward.key_ranges = tensor(starts), tensor(lengths)
         return forward
 
     def _padded_layout(self, batch: Batch, num_tokens: int, num_keys: int) -> PaddedLayout | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mox.kernels import native
 from mox.models.forward_batch import ForwardBatch
 
 # What the KV store holds -> per-head keys `[N, h, d]` and values `[N, h, dv]` (MLA stores a
@@ -26,6 +27,14 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     """q `[T, h, d]` -> `[T, h, dv]`: each token attends to its own sequence's keys at or
     before its position (within `window`). `sinks` `[h]`: per-head logits that join every
     softmax's denominator (GPT-OSS)."""
+    if (batch.key_ranges is not None and sinks is None and expand is None
+            and native.takes_attention(q, batch.kv)):
+        # decode: the keys read in place from the store, no gathered or padded copies
+        keys, values = batch.kv.rows(layer)
+        starts, lengths = batch.key_ranges
+        return native.kernels().decode_attention(
+            q.contiguous(), keys, values, batch.kv_slots, starts, lengths,
+            q.shape[-1] ** -0.5 if scale is None else scale, window).to(q.dtype)
     if batch.padded is not None:
         return _attend_padded(batch, layer, q, window, scale, sinks, expand)
     keys, values = batch.kv.gather(layer, batch.kv_slots)                 # [K, h_kv, d]

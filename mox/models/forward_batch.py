@@ -54,6 +54,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None   # [S] tokens whose logits are wanted
     max_position: int = 0                         # largest entry of `positions` (host int)
     padded: PaddedLayout | None = None            # set when per-sequence attention is cheaper
+    # (starts, lengths) `[T]`: each token's keys in `kv_slots`, set when every sequence brings
+    # one new token (decode), whose keys are then one run each
+    key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
     _memo: dict = field(default_factory=dict, repr=False)   # per-batch memo: masks, rotary
 
     @property

@@ -53,13 +53,18 @@ class KVStore:
     def release(self) -> None:
         self.keys, self.values = [], []
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys `[N, h_kv, d]` and values `[N, h_kv, dv]` by flat slot (views)."""
+        return (self.keys[layer].view(-1, self.num_kv_heads, self.head_dim),
+                self.values[layer].view(-1, self.num_kv_heads, self.value_dim))
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k `[T, h_kv, d]`, v `[T, h_kv, dv]` at flat `slots` `[T]`."""
-        self.keys[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.values[layer].view(-1, self.num_kv_heads, self.value_dim).index_copy_(0, slots, v)
+        keys, values = self.rows(layer)
+        keys.index_copy_(0, slots, k)
+        values.index_copy_(0, slots, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys `[K, h_kv, d]` and values `[K, h_kv, dv]` at flat `slots` `[K]`."""
-        return (self.keys[layer].view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots),
-                self.values[layer].view(-1, self.num_kv_heads,
-                                        self.value_dim).index_select(0, slots))
+        keys, values = self.rows(layer)
+        return keys.index_select(0, slots), values.index_select(0, slots)

@@ -94,5 +94,63 @@ def test_fused_moe_with_the_native_kernels_matches_the_reference(num_tokens, mon
 def test_no_compiler_means_no_native_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")                 # a compiler that always fails
-    assert native._build(native.SOURCE) is None
+    assert native._build(native.SOURCE_DIR) is None
     assert not list(tmp_path.rglob("*.so"))           # nothing half-built left behind
+
+
+def _reference_attention(q, keys, values, slots, window):
+    """One token's attention over the given key rows, fp32, GQA by repetition."""
+    if window is not None:
+        slots = slots[-window:]
+    group = q.shape[0] // keys.shape[1]
+    k = keys[slots].float().repeat_interleave(group, 1).transpose(0, 1)    # [h, K, d]
+    v = values[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.float()[:, None, :] @ k.transpose(1, 2) * q.shape[-1] ** -0.5
+    return (torch.softmax(scores, -1) @ v)[:, 0]                             # [h, dv]
+
+
+@pytest.mark.parametrize("fast", PATHS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_attention_reads_keys_in_place(fast, window):
+    heads, kv_heads, dim, num_slots = 8, 2, 64, 60
+    keys, values = _bf16(num_slots, kv_heads, dim, seed=12), _bf16(num_slots, kv_heads, dim,
+                                                                   seed=13)
+    q = _bf16(3, heads, dim, seed=14)
+    lengths = torch.tensor([5, 17, 1])
+    starts = torch.tensor([0, 5, 22])
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(15))[:23]
+    got = NATIVE.decode_attention(q, keys, values, slots, starts, lengths, dim ** -0.5, window,
+                                  fast=fast)
+    for t in range(3):
+        mine = slots[starts[t]:starts[t] + lengths[t]]
+        torch.testing.assert_close(got[t], _reference_attention(q[t], keys, values, mine, window),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():
+    """A decode batch of three sequences over a real KVStore: the native path (key ranges,
+    keys read in place) against the padded/flat torch paths, with and without a window."""
+    from mox.models.attend import attend
+    from mox.models.forward_batch import ForwardBatch
+    from mox.models.kv_store import KVStore
+
+    store = KVStore(1, 2, 64, torch.bfloat16, torch.device("cpu"), block_size=4)
+    store.ensure_blocks(16)
+    keys, values = store.rows(0)
+    keys.copy_(_bf16(*keys.shape, seed=16))
+    values.copy_(_bf16(*values.shape, seed=17))
+    lengths = [5, 9, 2]                              # keys per sequence, the new one last
+    kv_slots = torch.randperm(64, generator=torch.Generator().manual_seed(18))[:sum(lengths)]
+    kv_seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    kv_pos = torch.cat([torch.arange(n) for n in lengths])
+    ends = torch.tensor(lengths).cumsum(0)
+    batch = ForwardBatch(torch.zeros(3, dtype=torch.long), torch.tensor(lengths) - 1,
+                         torch.arange(3), kv_slots[ends - 1], kv_slots, kv_seq, kv_pos, store)
+    q = _bf16(3, 8, 64, seed=19)
+    for window in (None, 4):
+        torch_path = attend(batch, 0, q, window)
+        batch.key_ranges = ends - torch.tensor(lengths), torch.tensor(lengths)
+        native_path = attend(batch, 0, q, window)
+        batch.key_ranges = None
+        torch.testing.assert_close(native_path.float(), torch_path.float(), rtol=2e-2,
+                                   atol=2e-2)

@@ -1,0 +1,120 @@
+/* Decode attention over the paged KV store, read in place: each new token attends to its own
+ * sequence's keys, found through their flat KV slots, with no gathered or padded copy of them.
+ *
+ * out[t, hq, :] = sum_j p_j V[s_j, g, :],  p = softmax_j(scale * q[t, hq, :] . K[s_j, g, :])
+ * over the slots s_j = slots[starts[t] .. starts[t] + lengths[t]) (the last `window` of them
+ * when window > 0), g = hq / (h / h_kv) its KV head. q, K, V bf16; sums and out float32.
+ * One task per (token, KV head): the group of query heads sharing that head reads each key
+ * and value row once. Built with the kernels of bf16_gemv.c (see mox/kernels/native.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* plain loops over d and dv: the AVX-512 build below gets them vectorized by the compiler */
+static inline __attribute__((always_inline)) int attend_one(
+        const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t k_stride,
+        int64_t v_stride, const int64_t *slots, int64_t length, int group, int64_t d,
+        int64_t dv, float scale, float *out, int64_t out_head_stride) {
+    float *qf = malloc(sizeof(float) * (size_t)(group * d + group * length + dv));
+    if (qf == NULL)
+        return -1;
+    float *scores = qf + group * d, *row = scores + group * length;
+    for (int64_t i = 0; i < group * d; i++)
+        qf[i] = bf16_f32(q[i]) * scale;
+    for (int64_t j = 0; j < length; j++) {
+        const uint16_t *k = keys + slots[j] * k_stride;
+        for (int hq = 0; hq < group; hq++) {
+            const float *qh = qf + hq * d;
+            float s = 0.0f;
+            for (int64_t i = 0; i < d; i++)
+                s += qh[i] * bf16_f32(k[i]);
+            scores[hq * length + j] = s;
+        }
+    }
+    for (int hq = 0; hq < group; hq++) {
+        float *p = scores + hq * length, top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < length; j++)
+            top = p[j] > top ? p[j] : top;
+        for (int64_t j = 0; j < length; j++)
+            total += (p[j] = expf(p[j] - top));
+        for (int64_t j = 0; j < length; j++)
+            p[j] /= total;
+        float *o = out + hq * out_head_stride;
+        for (int64_t i = 0; i < dv; i++)
+            o[i] = 0.0f;
+        for (int64_t j = 0; j < length; j++) {
+            const uint16_t *v = values + slots[j] * v_stride;
+            for (int64_t i = 0; i < dv; i++)
+                row[i] = bf16_f32(v[i]);
+            for (int64_t i = 0; i < dv; i++)
+                o[i] += p[j] * row[i];
+        }
+    }
+    free(qf);
+    return 0;
+}
+
+#define ATTEND_ALL                                                                        \
+    int failed = 0;                                                                       \
+    int group = (int)(h / h_kv);                                                          \
+    _Pragma("omp parallel for schedule(static) reduction(|:failed)")                      \
+    for (int64_t task = 0; task < num_tokens * h_kv; task++) {                            \
+        int64_t t = task / h_kv, g = task % h_kv, start = starts[t], length = lengths[t];  \
+        if (window > 0 && length > window) {                                              \
+            start += length - window;                                                     \
+            length = window;                                                              \
+        }                                                                                 \
+        failed |= attend_one(q + t * q_stride + g * group * d, keys + g * d,               \
+                             values + g * dv, k_stride, v_stride, slots + start, length,  \
+                             group, d, dv, scale, out + (t * h + g * group) * dv, dv);    \
+    }                                                                                     \
+    return failed ? -1 : 0;
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static int attend_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
+                         const uint16_t *values, int64_t k_stride, int64_t v_stride,
+                         const int64_t *slots, const int64_t *starts, const int64_t *lengths,
+                         int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d, int64_t dv,
+                         float scale, int64_t window, float *out) {
+    ATTEND_ALL
+}
+
+static int attend_plain(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
+                        const uint16_t *values, int64_t k_stride, int64_t v_stride,
+                        const int64_t *slots, const int64_t *starts, const int64_t *lengths,
+                        int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d, int64_t dv,
+                        float scale, int64_t window, float *out) {
+    ATTEND_ALL
+}
+
+int mox_has_avx512bf16(void);
+
+/* q [T, h, d] (token stride q_stride), keys/values: the layer's store as flat slots (slot
+ * strides k_stride, v_stride; KV head g at + g * d / g * dv), out [T, h, dv] float32.
+ * Returns 0, or -1 (bad arguments, or no memory). */
+int mox_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
+                              const uint16_t *values, int64_t k_stride, int64_t v_stride,
+                              const int64_t *slots, const int64_t *starts,
+                              const int64_t *lengths, int64_t num_tokens, int64_t h,
+                              int64_t h_kv, int64_t d, int64_t dv, float scale,
+                              int64_t window, float *out, int fast) {
+    if (h_kv < 1 || h % h_kv != 0 || d < 1 || dv < 1 || num_tokens < 1)
+        return -1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (lengths[t] < 1)
+            return -1;
+    if (fast)
+        return attend_avx512(q, q_stride, keys, values, k_stride, v_stride, slots, starts,
+                             lengths, num_tokens, h, h_kv, d, dv, scale, window, out);
+    return attend_plain(q, q_stride, keys, values, k_stride, v_stride, slots, starts, lengths,
+                        num_tokens, h, h_kv, d, dv, scale, window, out);
+}
