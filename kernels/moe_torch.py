@@ -68,10 +68,14 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     routing weight."""
     out_dtype = out_dtype or x.dtype
     experts = _Experts(w13, w2, activation, b13, b2)
-    if topk_ids.shape[0] == 1:
-        return _one_token(x, experts, topk_weights,
-                          slot_of[topk_ids[0].long()].tolist()).to(out_dtype)
     ws = workspace or MoEWorkspace()
+    native_experts = (not experts.has_bias and activation.kind == SILU
+                      and native.takes_experts(x, w13, w2))
+    if topk_ids.shape[0] == 1:
+        slots = slot_of[topk_ids[0].long()].tolist()
+        if native_experts:
+            return _native_one_token(x, experts, topk_weights[0], slots, ws).to(out_dtype)
+        return _one_token(x, experts, topk_weights, slots).to(out_dtype)
     num_tokens, k = topk_ids.shape
     num_slots, hidden, inter = w2.shape
     slots = slot_of[topk_ids.long()].reshape(-1)                          # [P]
@@ -86,10 +90,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
     active = [slot for slot, n in enumerate(num_per_slot) if n]
     lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
-    if (not experts.has_bias and experts.activation.kind == SILU
-            and num_rows <= NATIVE_MAX_ROWS_PER_EXPERT * len(active)
-            and native.takes_experts(rows, w13, w2)):
-        contrib = _native_experts(rows, experts, active, num_per_slot,
+    if native_experts and num_rows <= NATIVE_MAX_ROWS_PER_EXPERT * len(active):
+        contrib = _native_experts(rows, experts, active, [num_per_slot[s] for s in active],
                                   topk_weights.reshape(-1)[order], ws)
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, contrib)
@@ -148,11 +150,25 @@ def _one_token(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     return out[None]                                                         # [1, H]
 
 
+def _native_one_token(x: torch.Tensor, experts: _Experts, weights: torch.Tensor,
+                      slots: list[int], ws: MoEWorkspace) -> torch.Tensor:
+    """Decode of one sequence in one native call: its row once per resident expert;
+    `[1, H]` float32."""
+    resident = [j for j, slot in enumerate(slots) if slot != NOT_RESIDENT]
+    if not resident:
+        return torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+    rows = ws.get("rows", len(resident), x.shape[1], x.dtype, x.device)
+    rows.copy_(x.expand(len(resident), x.shape[1]))
+    down = _native_experts(rows, experts, [slots[j] for j in resident], [1] * len(resident),
+                           weights[resident], ws)
+    return down.sum(0, keepdim=True)
+
+
 def _native_experts(rows: torch.Tensor, experts: _Experts, active: list[int],
-                    num_per_slot: list[int], row_weights: torch.Tensor,
+                    counts: list[int], row_weights: torch.Tensor,
                     ws: MoEWorkspace) -> torch.Tensor:
-    """The native kernel over every active slot at once: `[P', H]` f32, rows weighted."""
-    counts = [num_per_slot[s] for s in active]
+    """The native kernel over every active slot at once (`counts`: their rows, in order):
+    `[P', H]` f32, rows weighted."""
     starts = [0]
     for n in counts[:-1]:
         starts.append(starts[-1] + n)
