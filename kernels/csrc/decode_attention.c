@@ -79,22 +79,20 @@ static inline __attribute__((always_inline)) int attend_one(
     }                                                                                     \
     return failed ? -1 : 0;
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static int attend_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
-                         const uint16_t *values, int64_t k_stride, int64_t v_stride,
-                         const int64_t *slots, const int64_t *starts, const int64_t *lengths,
-                         int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d, int64_t dv,
-                         float scale, int64_t window, float *out) {
-    ATTEND_ALL
-}
+/* the same loops twice: once compiled for AVX-512 (the compiler vectorizes the d and dv loops
+ * with it), once for any CPU */
+#define DEFINE_ATTEND(name, attributes)                                                   \
+    attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
+                               const uint16_t *values, int64_t k_stride, int64_t v_stride, \
+                               const int64_t *slots, const int64_t *starts,               \
+                               const int64_t *lengths, int64_t num_tokens, int64_t h,      \
+                               int64_t h_kv, int64_t d, int64_t dv, float scale,           \
+                               int64_t window, float *out) {                              \
+        ATTEND_ALL                                                                        \
+    }
 
-static int attend_plain(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
-                        const uint16_t *values, int64_t k_stride, int64_t v_stride,
-                        const int64_t *slots, const int64_t *starts, const int64_t *lengths,
-                        int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d, int64_t dv,
-                        float scale, int64_t window, float *out) {
-    ATTEND_ALL
-}
+DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
+DEFINE_ATTEND(attend_plain, )
 
 int mox_has_avx512bf16(void);
 
