@@ -87,9 +87,9 @@ class NativeKernels:
         moe.restype = ctypes.c_int
         self._moe = moe
         attend = self._lib.mox_decode_attention_bf16
-        attend.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-                           + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64,
+        attend.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64,
                                                      ctypes.c_void_p, ctypes.c_int])
         attend.restype = ctypes.c_int
         self._attend = attend
@@ -143,23 +143,29 @@ class NativeKernels:
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                         scale: float, window: int | None, fast: bool = True) -> torch.Tensor:
-        """q `[T, h, d]` bf16; `keys [N, h_kv, d]`, `values [N, h_kv, dv]`: the layer's store
-        as flat slots (rows contiguous); token t attends to the keys at
+                         scale: float, window: int | None, keys2: torch.Tensor | None = None,
+                         fast: bool = True) -> torch.Tensor:
+        """q `[T, h, d (+ d2)]` bf16; `keys [N, h_kv, d]`, `values [N, h_kv, dv]` (and
+        `keys2 [N, h_kv, d2]`, a key's second part, cached apart: MLA's rotated key): the
+        layer's store as flat slots; token t attends to the keys at
         `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32."""
-        num_tokens, heads, dim = q.shape
-        kv_heads, value_dim = keys.shape[1], values.shape[2]
-        for t in (q, keys, values):
+        num_tokens, heads, _ = q.shape
+        kv_heads, dim, value_dim = keys.shape[1], keys.shape[2], values.shape[2]
+        second = keys if keys2 is None else keys2
+        dim2 = 0 if keys2 is None else keys2.shape[2]
+        for t in (q, keys, second, values):
             if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
                 raise ValueError("decode_attention takes bf16 rows contiguous per head")
+        if q.shape[2] != dim + dim2:
+            raise ValueError(f"q has {q.shape[2]} dims per head; the keys {dim} + {dim2}")
         slots, starts, lengths = (v.to(torch.int64).contiguous() for v in (slots, starts,
                                                                              lengths))
         out = torch.empty(num_tokens, heads, value_dim)
-        status = self._attend(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
-                              keys.stride(0), values.stride(0), slots.data_ptr(),
-                              starts.data_ptr(), lengths.data_ptr(), num_tokens, heads,
-                              kv_heads, dim, value_dim, scale, window or 0, out.data_ptr(),
-                              int(fast))
+        status = self._attend(q.data_ptr(), q.stride(0), keys.data_ptr(), second.data_ptr(),
+                              values.data_ptr(), keys.stride(0), second.stride(0),
+                              values.stride(0), slots.data_ptr(), starts.data_ptr(),
+                              lengths.data_ptr(), num_tokens, heads, kv_heads, dim, dim2,
+                              value_dim, scale, window or 0, out.data_ptr(), int(fast))
         if status != 0:
             raise ValueError(f"decode_attention refused h={heads} h_kv={kv_heads} d={dim}")
         return out

@@ -2,6 +2,8 @@
  * sequence's keys, found through their flat KV slots, with no gathered or padded copy of them.
  *
  * out[t, hq, :] = sum_j p_j V[s_j, g, :],  p = softmax_j(scale * q[t, hq, :] . K[s_j, g, :])
+ * where a key may come in two parts (MLA, absorbed: the latent and the rotated shared key,
+ * cached apart): q[t, hq, :d] . K[s_j, g, :] + q[t, hq, d:] . K2[s_j, g, :]
  * over the slots s_j = slots[starts[t] .. starts[t] + lengths[t]) (the last `window` of them
  * when window > 0), g = hq / (h / h_kv) its KV head. q, K, V bf16; sums and out float32.
  * One task per (token, KV head): the group of query heads sharing that head reads each key
@@ -21,22 +23,27 @@ static inline float bf16_f32(uint16_t v) {
 
 /* plain loops over d and dv: the AVX-512 build below gets them vectorized by the compiler */
 static inline __attribute__((always_inline)) int attend_one(
-        const uint16_t *q, const uint16_t *keys, const uint16_t *values, int64_t k_stride,
-        int64_t v_stride, const int64_t *slots, int64_t length, int group, int64_t d,
-        int64_t dv, float scale, float *out, int64_t out_head_stride) {
-    float *qf = malloc(sizeof(float) * (size_t)(group * d + group * length + dv));
+        const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
+        int64_t k_stride, int64_t k2_stride, int64_t v_stride, const int64_t *slots,
+        int64_t length, int group, int64_t d, int64_t d2, int64_t dv, float scale, float *out,
+        int64_t out_head_stride) {
+    int64_t dq = d + d2;
+    float *qf = malloc(sizeof(float) * (size_t)(group * dq + group * length + dv));
     if (qf == NULL)
         return -1;
-    float *scores = qf + group * d, *row = scores + group * length;
-    for (int64_t i = 0; i < group * d; i++)
+    float *scores = qf + group * dq, *row = scores + group * length;
+    for (int64_t i = 0; i < group * dq; i++)
         qf[i] = bf16_f32(q[i]) * scale;
     for (int64_t j = 0; j < length; j++) {
         const uint16_t *k = keys + slots[j] * k_stride;
+        const uint16_t *k2 = keys2 + slots[j] * k2_stride;
         for (int hq = 0; hq < group; hq++) {
-            const float *qh = qf + hq * d;
+            const float *qh = qf + hq * dq;
             float s = 0.0f;
             for (int64_t i = 0; i < d; i++)
                 s += qh[i] * bf16_f32(k[i]);
+            for (int64_t i = 0; i < d2; i++)
+                s += qh[d + i] * bf16_f32(k2[i]);
             scores[hq * length + j] = s;
         }
     }
@@ -73,9 +80,10 @@ static inline __attribute__((always_inline)) int attend_one(
             start += length - window;                                                     \
             length = window;                                                              \
         }                                                                                 \
-        failed |= attend_one(q + t * q_stride + g * group * d, keys + g * d,               \
-                             values + g * dv, k_stride, v_stride, slots + start, length,  \
-                             group, d, dv, scale, out + (t * h + g * group) * dv, dv);    \
+        failed |= attend_one(q + t * q_stride + g * group * (d + d2), keys + g * d,        \
+                             keys2 + g * d2, values + g * dv, k_stride, k2_stride,        \
+                             v_stride, slots + start, length, group, d, d2, dv, scale,    \
+                             out + (t * h + g * group) * dv, dv);                         \
     }                                                                                     \
     return failed ? -1 : 0;
 
@@ -83,11 +91,12 @@ static inline __attribute__((always_inline)) int attend_one(
  * with it), once for any CPU */
 #define DEFINE_ATTEND(name, attributes)                                                   \
     attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
-                               const uint16_t *values, int64_t k_stride, int64_t v_stride, \
+                               const uint16_t *keys2, const uint16_t *values,             \
+                               int64_t k_stride, int64_t k2_stride, int64_t v_stride,     \
                                const int64_t *slots, const int64_t *starts,               \
                                const int64_t *lengths, int64_t num_tokens, int64_t h,      \
-                               int64_t h_kv, int64_t d, int64_t dv, float scale,           \
-                               int64_t window, float *out) {                              \
+                               int64_t h_kv, int64_t d, int64_t d2, int64_t dv,            \
+                               float scale, int64_t window, float *out) {                 \
         ATTEND_ALL                                                                        \
     }
 
@@ -96,23 +105,26 @@ DEFINE_ATTEND(attend_plain, )
 
 int mox_has_avx512bf16(void);
 
-/* q [T, h, d] (token stride q_stride), keys/values: the layer's store as flat slots (slot
- * strides k_stride, v_stride; KV head g at + g * d / g * dv), out [T, h, dv] float32.
- * Returns 0, or -1 (bad arguments, or no memory). */
+/* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
+ * 0, keys2 then unused) and values [., h_kv, dv]: the layer's store as flat slots (slot
+ * strides k_stride, k2_stride, v_stride); out [T, h, dv] float32. Returns 0, or -1 (bad
+ * arguments, or no memory). */
 int mox_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *keys,
-                              const uint16_t *values, int64_t k_stride, int64_t v_stride,
-                              const int64_t *slots, const int64_t *starts,
-                              const int64_t *lengths, int64_t num_tokens, int64_t h,
-                              int64_t h_kv, int64_t d, int64_t dv, float scale,
-                              int64_t window, float *out, int fast) {
-    if (h_kv < 1 || h % h_kv != 0 || d < 1 || dv < 1 || num_tokens < 1)
+                              const uint16_t *keys2, const uint16_t *values, int64_t k_stride,
+                              int64_t k2_stride, int64_t v_stride, const int64_t *slots,
+                              const int64_t *starts, const int64_t *lengths,
+                              int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d,
+                              int64_t d2, int64_t dv, float scale, int64_t window, float *out,
+                              int fast) {
+    if (h_kv < 1 || h % h_kv != 0 || d < 1 || d2 < 0 || dv < 1 || num_tokens < 1)
         return -1;
     for (int64_t t = 0; t < num_tokens; t++)
         if (lengths[t] < 1)
             return -1;
     if (fast)
-        return attend_avx512(q, q_stride, keys, values, k_stride, v_stride, slots, starts,
-                             lengths, num_tokens, h, h_kv, d, dv, scale, window, out);
-    return attend_plain(q, q_stride, keys, values, k_stride, v_stride, slots, starts, lengths,
-                        num_tokens, h, h_kv, d, dv, scale, window, out);
+        return attend_avx512(q, q_stride, keys, keys2, values, k_stride, k2_stride, v_stride,
+                             slots, starts, lengths, num_tokens, h, h_kv, d, d2, dv, scale,
+                             window, out);
+    return attend_plain(q, q_stride, keys, keys2, values, k_stride, k2_stride, v_stride, slots,
+                        starts, lengths, num_tokens, h, h_kv, d, d2, dv, scale, window, out);
 }

@@ -3,7 +3,9 @@
 The store caches per token only what MLA compresses keys and values into: the normalized KV
 latent `[r]` and the rotated key part shared by all heads `[d_r]` (r + d_r numbers a token,
 against 2 x h x d for GQA). Per-head keys and values are expanded from the latent when a
-step attends (`kv_b_proj`), as the reference computes them.
+step attends (`kv_b_proj`), as the reference computes them; a decode step on the CPU instead
+folds `kv_b_proj` into the query and the output (MLA's "absorbed" form) and attends over the
+cached latents in place, in the native kernel.
 
 Legend: T new tokens, N gathered tokens, H hidden, h heads, r kv_lora_rank, r_q q_lora_rank,
 d_n qk_nope_head_dim, d_r qk_rope_head_dim, d_q = d_n + d_r, d_v v_head_dim.
@@ -16,6 +18,7 @@ from functools import partial
 
 import torch
 
+from mox.kernels import native
 from mox.loaders.spec import MLASpec, ModelSpec
 from mox.models.attend import attend
 from mox.models.forward_batch import ForwardBatch
@@ -57,10 +60,34 @@ def mla_attention(spec: ModelSpec, w: MLAWeights, layer: int, x: torch.Tensor,
     latent = rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS)                   # [T, r]
     q_rope, k_rope = rotary.apply(q_rope, k_rope[:, None], batch.rotary_tables(rotary))
     batch.kv.write(layer, batch.slot_mapping, latent[:, None], k_rope)       # [T, 1, r|d_r]
-    query = torch.cat((q_nope, q_rope), dim=-1)                               # [T, h, d_q]
-    out = attend(batch, layer, query, spec.sliding_windows[layer], scale=mla.softmax_scale,
-                 expand=partial(_expand, mla, heads, w.kv_b))                 # [T, h, d_v]
+    window = spec.sliding_windows[layer]
+    if batch.key_ranges is not None and native.takes_attention(q_nope, batch.kv):
+        out = absorbed_decode(mla, w.kv_b, layer, q_nope, q_rope, batch, window)
+    else:
+        query = torch.cat((q_nope, q_rope), dim=-1)                           # [T, h, d_q]
+        out = attend(batch, layer, query, window, scale=mla.softmax_scale,
+                     expand=partial(_expand, mla, heads, w.kv_b))             # [T, h, d_v]
     return linear(out.reshape(num_tokens, heads * mla.v_head_dim), w.o, w.o_bias)
+
+
+def absorbed_decode(mla: MLASpec, kv_b: torch.Tensor, layer: int, q_nope: torch.Tensor,
+                    q_rope: torch.Tensor, batch: ForwardBatch,
+                    window: int | None) -> torch.Tensor:
+    """Decode attention over the cached latents read in place: q_nope . (W_uk c) is
+    (q_nope W_uk) . c, and sum_j p_j W_uv c_j is W_uv sum_j p_j c_j, so no key or value is
+    expanded per head. `[T, h, d_v]`."""
+    heads = q_nope.shape[1]
+    w_uk, w_uv = kv_b.view(heads, mla.qk_nope_head_dim + mla.v_head_dim,
+                           mla.kv_lora_rank).split([mla.qk_nope_head_dim, mla.v_head_dim],
+                                                   dim=1)               # [h, d_n|d_v, r]
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)                # [T, h, r]
+    query = torch.cat((q_latent, q_rope), dim=-1).contiguous()           # [T, h, r + d_r]
+    latents, rope_keys = batch.kv.rows(layer)                            # [N, 1, r|d_r]
+    starts, lengths = batch.key_ranges
+    out_latent = native.kernels().decode_attention(
+        query, latents, latents, batch.kv_slots, starts, lengths, mla.softmax_scale, window,
+        keys2=rope_keys)                                                 # [T, h, r] f32
+    return torch.einsum("thr,hvr->thv", out_latent.to(q_nope.dtype), w_uv)
 
 
 def _expand(mla: MLASpec, heads: int, kv_b: torch.Tensor, latents: torch.Tensor,

@@ -154,3 +154,39 @@ def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():
         batch.key_ranges = None
         torch.testing.assert_close(native_path.float(), torch_path.float(), rtol=2e-2,
                                    atol=2e-2)
+
+
+def test_mla_absorbed_decode_equals_attending_over_expanded_keys():
+    """MLA decode reading the cached latents in place (kv_b folded into the query and the
+    output) against the expanded per-head keys and values the reference builds."""
+    from functools import partial
+
+    from mox.loaders.spec import MLASpec
+    from mox.models.attend import attend
+    from mox.models.forward_batch import ForwardBatch
+    from mox.models.kv_store import KVStore
+    from mox.models.mla import _expand, absorbed_decode
+
+    mla = MLASpec(None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32, softmax_scale=48 ** -0.5)
+    heads = 4
+    store = KVStore(1, 1, 64, torch.bfloat16, torch.device("cpu"), block_size=4, value_dim=16)
+    store.ensure_blocks(8)
+    latents, rope_keys = store.rows(0)
+    latents.copy_(_bf16(*latents.shape, seed=20))
+    rope_keys.copy_(_bf16(*rope_keys.shape, seed=21))
+    kv_b = _bf16(heads * (32 + 32), 64, seed=22) * 0.2
+    lengths = [6, 3]
+    kv_slots = torch.randperm(32, generator=torch.Generator().manual_seed(23))[:sum(lengths)]
+    ends = torch.tensor(lengths).cumsum(0)
+    batch = ForwardBatch(torch.zeros(2, dtype=torch.long), torch.tensor(lengths) - 1,
+                         torch.arange(2), kv_slots[ends - 1], kv_slots,
+                         torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)),
+                         torch.cat([torch.arange(n) for n in lengths]), store)
+    q_nope, q_rope = _bf16(2, heads, 32, seed=24), _bf16(2, heads, 16, seed=25)
+    expanded = attend(batch, 0, torch.cat((q_nope, q_rope), -1), None,
+                      scale=mla.softmax_scale, expand=partial(_expand, mla, heads, kv_b))
+    batch.key_ranges = ends - torch.tensor(lengths), torch.tensor(lengths)
+    absorbed = absorbed_decode(mla, kv_b, 0, q_nope, q_rope, batch, None)
+    assert expanded.abs().mean() > 0.1                  # values of order one: the tolerance bites
+    torch.testing.assert_close(absorbed.float(), expanded.float(), rtol=3e-2, atol=3e-2)
