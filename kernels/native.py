@@ -1,5 +1,5 @@
-"""The CPU decode kernels of `csrc/` (bf16_gemv.c, decode_attention.c), built at first use and
-called through ctypes.
+"""The CPU decode kernels of `csrc/` (bf16_gemv.c, decode_attention.c, rms_norm.c), built at
+first use and called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -76,7 +76,7 @@ class NativeKernels:
         gemv = self._lib.mox_gemv_bf16
         gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_int]
+                         ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         gemv.restype = ctypes.c_int
         self._gemv = gemv
         moe = self._lib.mox_moe_silu_bf16
@@ -93,24 +93,30 @@ class NativeKernels:
                                                      ctypes.c_void_p, ctypes.c_int])
         attend.restype = ctypes.c_int
         self._attend = attend
+        norm = self._lib.mox_rms_norm_bf16
+        norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+        norm.restype = ctypes.c_int
+        self._norm = norm
         self.fast = bool(self._lib.mox_has_avx512bf16())
 
-    def gemv(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
         """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
-        `[M, N]` float32 (into `out` if given)."""
+        `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         (num_rows, k), n = x.shape, w.shape[0]
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
-                or w.stride(1) != 1 or w.shape[1] != k):
+                or w.stride(1) != 1 or w.shape[1] != k
+                or out_dtype not in (torch.float32, torch.bfloat16)):
             raise ValueError(f"gemv_bf16 takes bf16 rows with unit stride, got x "
                              f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
-        out = torch.empty(num_rows, n, dtype=torch.float32) if out is None else out
+        out = torch.empty(num_rows, n, dtype=out_dtype)
         status = self._gemv(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
-                            out.data_ptr(), out.stride(0), num_rows, n, k, int(fast))
+                            out.data_ptr(), out.stride(0), num_rows, n, k,
+                            int(out_dtype == torch.bfloat16), int(fast))
         if status != 0:
             raise ValueError(f"gemv_bf16 refused M={num_rows} N={n} K={k} fast={fast}")
         return out
-
 
     def moe_silu(self, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  runs: list[torch.Tensor], row_weights: torch.Tensor,
@@ -171,6 +177,19 @@ class NativeKernels:
         return out
 
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of bf16 rows `x [T, D]` (unit stride) with `weight [D]`, as HF computes it
+        (fp32 statistics, the normalized row rounded to bf16, then scaled)."""
+        if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
+                or x.stride(1) != 1 or weight.shape != (x.shape[1],) or weight.stride(0) != 1):
+            raise ValueError("rms_norm takes bf16 rows with unit stride and a matching weight")
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if self._norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                      out.stride(0), x.shape[0], x.shape[1], eps) != 0:
+            raise ValueError(f"rms_norm refused {tuple(x.shape)}")
+        return out
+
+
 @functools.cache
 def kernels() -> NativeKernels | None:
     """The loaded library, or None where it cannot be built (or is switched off)."""
@@ -210,6 +229,13 @@ def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
             and rows.shape[1] % K_MULTIPLE == 0 and w2.shape[2] % K_MULTIPLE == 0)
 
 
+def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` serves these rows here."""
+    return (_fast() and x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
+            and x.dim() == 2 and x.stride(1) == 1 and weight.dim() == 1
+            and weight.stride(0) == 1 and weight.shape[0] == x.shape[1])
+
+
 def takes_attention(q: torch.Tensor, kv) -> bool:
     """Whether `decode_attention`'s fast path serves these queries over store `kv` here."""
     return (_fast() and q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -218,4 +244,4 @@ def takes_attention(q: torch.Tensor, kv) -> bool:
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x [M, K] @ w [N, K].T` in bf16 (fp32 sums, rounded once); callers check `takes`."""
-    return kernels().gemv(x, w).to(torch.bfloat16)
+    return kernels().gemv(x, w, out_dtype=torch.bfloat16)

@@ -30,6 +30,26 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
+static uint16_t f32_to_bf16(float f) {           /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* a row's M sums into y (float32, or bf16 rounded to nearest even) at column n */
+static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int M,
+                         int out_bf16) {
+    for (int m = 0; m < M; m++) {
+        if (out_bf16)
+            ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(sums[m]);
+        else
+            ((float *)y)[m * ldy + n] = sums[m];
+    }
+}
+
 /* one weight row against M x rows; K a multiple of 32 */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
@@ -56,14 +76,6 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
         out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static void gemv_avx512(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                        float *y, int64_t ldy, int M, int64_t N, int64_t K) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        row_avx512(x, ldx, w + n * ldw, y + n, ldy, M, K);
-}
-
 static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
                       int64_t ldy, int M, int64_t K) {
     for (int m = 0; m < M; m++) {
@@ -74,11 +86,17 @@ static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float
     }
 }
 
-static void gemv_plain(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                       float *y, int64_t ldy, int M, int64_t N, int64_t K) {
+static void gemv(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
+                 int64_t ldy, int M, int64_t N, int64_t K, int out_bf16, int fast) {
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        row_plain(x, ldx, w + n * ldw, y + n, ldy, M, K);
+    for (int64_t n = 0; n < N; n++) {
+        float sums[MAX_ROWS];
+        if (fast)
+            row_avx512(x, ldx, w + n * ldw, sums, 1, M, K);
+        else
+            row_plain(x, ldx, w + n * ldw, sums, 1, M, K);
+        store(y, ldy, n, sums, M, out_bf16);
+    }
 }
 
 /* one weight row against `count` x rows (any count: MAX_ROWS at a time, the row stays in L1) */
@@ -93,29 +111,17 @@ static void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const uint16
     }
 }
 
-static uint16_t f32_to_bf16(float f) {           /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
-/* y [M, N] f32 (row stride ldy) = x [M, K] bf16 (ldx) . w [N, K]^T bf16 (ldw). M <= 8; the
- * fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1 for arguments it
- * does not take. */
-int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
-                  int64_t ldy, int64_t M, int64_t N, int64_t K, int fast) {
+/* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
+ * bf16 (ldw). M <= 8; the fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1
+ * for arguments it does not take. */
+int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
+                  int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast) {
     if (M < 1 || M > MAX_ROWS || N < 1 || K < 1)
         return -1;
-    if (fast) {
-        if (K % 32 != 0 || !mox_has_avx512bf16())
-            return -1;
-        gemv_avx512(x, ldx, w, ldw, y, ldy, (int)M, N, K);
-    } else {
-        gemv_plain(x, ldx, w, ldw, y, ldy, (int)M, N, K);
-    }
+    if (fast && (K % 32 != 0 || !mox_has_avx512bf16()))
+        return -1;
+    gemv(x, ldx, w, ldw, y, ldy, (int)M, N, K, out_bf16, fast);
     return 0;
 }
 

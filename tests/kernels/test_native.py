@@ -30,6 +30,8 @@ def test_gemv_matches_fp32(fast, rows, n, k):
     got = NATIVE.gemv(x, w, fast=fast)
     want = x.float() @ w.float().t()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * k ** 0.5)
+    rounded = NATIVE.gemv(x, w, out_dtype=torch.bfloat16, fast=fast)   # the sums, rounded once
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
 
 
 @pytest.mark.parametrize("fast", PATHS)
@@ -190,3 +192,17 @@ def test_mla_absorbed_decode_equals_attending_over_expanded_keys():
     absorbed = absorbed_decode(mla, kv_b, 0, q_nope, q_rope, batch, None)
     assert expanded.abs().mean() > 0.1                  # values of order one: the tolerance bites
     torch.testing.assert_close(absorbed.float(), expanded.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_equals_torchs(rows):
+    """Bit for bit but for the order of the sum of squares: at most one bf16 step apart."""
+    from mox.models import layers
+
+    x, weight = _bf16(rows, 1024, seed=26) * 3, _bf16(1024, seed=27)
+    got = NATIVE.rms_norm(x, weight, 1e-6)
+    with native.torch_paths():
+        want = layers.rms_norm(x, weight, 1e-6)
+    step = want.float().abs() * 2 ** -7 + 1e-30              # one bf16 ulp (8-bit mantissa)
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() > 0.99

@@ -1,0 +1,45 @@
+/* RMSNorm of bf16 rows as the Hugging Face models compute it, in one pass per row instead of
+ * torch's seven small ops (a decode step norms two rows per layer):
+ *     y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))    (x, w bf16; sums in float32)
+ * Rounding is to nearest even, as torch's; only the order of the sum of squares differs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* x [rows, dim] (row stride ldx), weight [dim], out [rows, dim] (row stride ldo) */
+int mox_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,
+                      int64_t ldo, int64_t rows, int64_t dim, float eps) {
+    if (rows < 1 || dim < 1)
+        return -1;
+    #pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * ldx;
+        uint16_t *yr = out + r * ldo;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = from_bf16(xr[i]);
+            sum += v * v;
+        }
+        float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++)
+            yr[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * scale)));
+    }
+    return 0;
+}
