@@ -53,8 +53,12 @@ def _build(source_dir: str) -> str | None:
     target = os.path.join(folder, f"mox_cpu-{digest.hexdigest()[:16]}.so")
     if os.path.exists(target):
         return target
-    os.makedirs(folder, exist_ok=True)
-    fd, staged = tempfile.mkstemp(suffix=".so", dir=folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, staged = tempfile.mkstemp(suffix=".so", dir=folder)
+    except OSError as e:                  # no writable cache: serve with torch's paths
+        log.info("native CPU kernels unavailable: cannot write %s: %s", folder, e)
+        return None
     os.close(fd)
     command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", *sources,
                "-o", staged, "-lm"]

@@ -206,3 +206,10 @@ def test_rms_norm_equals_torchs(rows):
     step = want.float().abs() * 2 ** -7 + 1e-30              # one bf16 ulp (8-bit mantissa)
     assert ((got.float() - want.float()).abs() <= step).all()
     assert (got == want).float().mean() > 0.99
+
+
+def test_an_unwritable_cache_means_no_native_kernels(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")                             # a file where the cache folder would go
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    assert native._build(native.SOURCE_DIR) is None
