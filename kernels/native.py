@@ -6,8 +6,8 @@ GEMMs torch dispatches to for that shape read bf16 weights at about half this ma
 (bench/results/read_rate.md). `gemv_bf16(x, w)` reads `w` in place at the full rate.
 
 The shared library is compiled with the system C compiler into a per-user cache, keyed by the
-source's hash; without a compiler, on a CPU without AVX512-BF16, or with
-`MOX_NATIVE_KERNELS=0`, `available()` is False and callers keep torch's path. The plain-C
+sources' hash; without a compiler or a writable cache, on a CPU without AVX512-BF16, or with
+`MOX_NATIVE_KERNELS=0`, the `takes*` checks say no and callers keep torch's paths. The plain-C
 path of the same library (`fast=False`) exists so tests can check the arithmetic anywhere.
 """
 
@@ -41,13 +41,14 @@ def _cache_dir() -> str:
 
 
 def _build(source_dir: str) -> str | None:
-    """One shared library of every C file in `source_dir`, compiled once per hash of their
-    bytes (None: no compiler)."""
-    sources = sorted(os.path.join(source_dir, f) for f in os.listdir(source_dir)
-                     if f.endswith(".c"))
+    """One shared library of every C file in `source_dir`, compiled once per hash of the
+    folder's sources and headers (None: no compiler, or no writable cache)."""
+    files = sorted(os.path.join(source_dir, f) for f in os.listdir(source_dir)
+                   if f.endswith((".c", ".h")))
+    sources = [f for f in files if f.endswith(".c")]
     digest = hashlib.sha256()
-    for source in sources:
-        with open(source, "rb") as f:
+    for path in files:
+        with open(path, "rb") as f:
             digest.update(f.read())
     folder = _cache_dir()
     target = os.path.join(folder, f"mox_cpu-{digest.hexdigest()[:16]}.so")
@@ -108,12 +109,17 @@ class NativeKernels:
              fast: bool = True) -> torch.Tensor:
         """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
         `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
-        (num_rows, k), n = x.shape, w.shape[0]
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
-                or w.stride(1) != 1 or w.shape[1] != k
+                or w.stride(1) != 1 or w.shape[1] != x.shape[1]
                 or out_dtype not in (torch.float32, torch.bfloat16)):
             raise ValueError(f"gemv_bf16 takes bf16 rows with unit stride, got x "
                              f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+        return self._gemv_checked(x, w, out_dtype, fast)
+
+    def _gemv_checked(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+                      fast: bool) -> torch.Tensor:
+        """`gemv` for arguments already checked (by `gemv`, or by `takes` on the hot path)."""
+        (num_rows, k), n = x.shape, w.shape[0]
         out = torch.empty(num_rows, n, dtype=out_dtype)
         status = self._gemv(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
                             out.data_ptr(), out.stride(0), num_rows, n, k,
@@ -150,7 +156,6 @@ class NativeKernels:
             raise ValueError(f"moe_silu refused H={hidden} I={inter} fast={fast}")
         return down
 
-
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                          scale: float, window: int | None, keys2: torch.Tensor | None = None,
@@ -179,7 +184,6 @@ class NativeKernels:
         if status != 0:
             raise ValueError(f"decode_attention refused h={heads} h_kv={kv_heads} d={dim}")
         return out
-
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of bf16 rows `x [T, D]` (unit stride) with `weight [D]`, as HF computes it
@@ -223,6 +227,7 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (_fast() and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
+            and w.dim() == 2 and w.shape[1] == x.shape[1]
             and x.stride(1) == 1 and w.stride(1) == 1)
 
 
@@ -248,4 +253,4 @@ def takes_attention(q: torch.Tensor, kv) -> bool:
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x [M, K] @ w [N, K].T` in bf16 (fp32 sums, rounded once); callers check `takes`."""
-    return kernels().gemv(x, w, out_dtype=torch.bfloat16)
+    return kernels()._gemv_checked(x, w, torch.bfloat16, fast=True)

@@ -47,6 +47,9 @@ class ModelState(str, enum.Enum):
 
 # Priorities weigh slot values (seconds saved per second); past this they only risk overflow.
 MAX_PRIORITY = 1e6
+# The longest model name: the registry's limit, and the API's (a longer one is refused before
+# it is looked up or echoed in an error).
+MAX_MODEL_NAME = 128
 
 
 class ModelSettings(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,7 +25,7 @@ from mox.errors import CheckpointError, InvalidRequestError, ModelNotFoundError,
 from mox.loaders import Checkpoint
 from mox.loaders.repack import is_expert_major
 from mox.loaders.spec import EXPERTS_MXFP4
-from mox.messages import ModelSettings
+from mox.messages import MAX_MODEL_NAME, ModelSettings
 from mox.tokenizer import TOKENIZER_FILE, Tokenizer
 
 REGISTRY_FILE = "registry.json"
@@ -33,7 +33,7 @@ LOCK_SUFFIX = ".lock"
 REGISTRY_FORMAT_VERSION = 1       # bump when an entry's meaning changes; older mox refuses
 MODELS_DIR = "models"             # under MOX_HOME: demo checkpoints and imported copies
 # Names become URL path parts and folder names (models/NAME.expert-major): one safe segment.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_MODEL_NAME - 1}}}$")
 
 
 def default_home() -> str:
@@ -74,8 +74,8 @@ class RegistryFile(msgspec.Struct, kw_only=True):
 def validate_name(name: str) -> str:
     if not NAME_PATTERN.match(name or "") or ".." in name:
         raise InvalidRequestError(
-            f"invalid model name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (no path separators, no '..')", param="name")
+            f"invalid model name {name!r}: use 1-{MAX_MODEL_NAME} letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit (no path separators, no '..')", param="name")
     return name
 
 

@@ -58,18 +58,18 @@ def _rate(pool: torch.Tensor, call: Callable[[torch.Tensor], object]) -> float:
     return best
 
 
-def candidates(rows: int, packed: dict) -> dict[str, Callable]:
-    x = torch.randn(rows, 1).to(torch.bfloat16)        # widened per shape below
+def candidates(rows: int, k: int, packed: dict) -> dict[str, Callable]:
+    """Each kernel as `call(weight)`, its activations `[rows, k]` made once (not per call)."""
+    x = torch.randn(rows, k).to(torch.bfloat16)
     kernels = native.kernels()
-    out = {"F.linear": lambda w: F.linear(x.expand(rows, w.shape[1]).contiguous(), w),
+    out = {"F.linear": lambda w: F.linear(x, w),
            "mkldnn packed": lambda w: torch.ops.mkldnn._linear_pointwise(
-               x.expand(rows, w.shape[1]).contiguous(), packed[w.data_ptr()], None, "none",
-               [], "")}
+               x, packed[w.data_ptr()], None, "none", [], "")}
     if rows == 1:
-        out["torch.mv"] = lambda w: torch.mv(w, x[0].expand(w.shape[1]).contiguous())
+        out["torch.mv"] = lambda w: torch.mv(w, x[0])
         out["read (torch.max)"] = lambda w: torch.max(w)
     if kernels is not None and kernels.fast and rows <= native.MAX_ROWS:
-        out["native"] = lambda w: kernels.gemv(x.expand(rows, w.shape[1]).contiguous(), w)
+        out["native"] = lambda w: kernels.gemv(x, w)
     return out
 
 
@@ -79,7 +79,7 @@ def measure(rows_list: list[int]) -> dict:
         pool = _pool(n, k)
         packed = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in pool}
         for rows in rows_list:
-            for name, call in candidates(rows, packed).items():
+            for name, call in candidates(rows, k, packed).items():
                 rate = _rate(pool, call)
                 results.setdefault(shape_name, {}).setdefault(name, {})[rows] = round(rate, 1)
                 print(f"{shape_name} M={rows} {name}: {rate:.1f} GB/s", flush=True)

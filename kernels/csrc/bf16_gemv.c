@@ -11,32 +11,17 @@
  * Built at first use by mox/kernels/native.py (cc -O3 -fopenmp); threads are OpenMP's, the
  * same runtime torch uses, so torch.set_num_threads governs both.
  */
-#include <stdint.h>
-#include <math.h>
-#include <string.h>
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
 
 #define MAX_ROWS 8
 
 int mox_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f) {           /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 /* a row's M sums into y (float32, or bf16 rounded to nearest even) at column n */
@@ -110,7 +95,6 @@ static void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const uint16
             row_plain(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
     }
 }
-
 
 /* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
  * bf16 (ldw). M <= 8; the fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1

@@ -12,14 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
 /* plain loops over d and dv: the AVX-512 build below gets them vectorized by the compiler */
 static inline __attribute__((always_inline)) int attend_one(
@@ -33,7 +27,7 @@ static inline __attribute__((always_inline)) int attend_one(
         return -1;
     float *scores = qf + group * dq, *row = scores + group * length;
     for (int64_t i = 0; i < group * dq; i++)
-        qf[i] = bf16_f32(q[i]) * scale;
+        qf[i] = bf16_to_f32(q[i]) * scale;
     for (int64_t j = 0; j < length; j++) {
         const uint16_t *k = keys + slots[j] * k_stride;
         const uint16_t *k2 = keys2 + slots[j] * k2_stride;
@@ -41,9 +35,9 @@ static inline __attribute__((always_inline)) int attend_one(
             const float *qh = qf + hq * dq;
             float s = 0.0f;
             for (int64_t i = 0; i < d; i++)
-                s += qh[i] * bf16_f32(k[i]);
+                s += qh[i] * bf16_to_f32(k[i]);
             for (int64_t i = 0; i < d2; i++)
-                s += qh[d + i] * bf16_f32(k2[i]);
+                s += qh[d + i] * bf16_to_f32(k2[i]);
             scores[hq * length + j] = s;
         }
     }
@@ -61,7 +55,7 @@ static inline __attribute__((always_inline)) int attend_one(
         for (int64_t j = 0; j < length; j++) {
             const uint16_t *v = values + slots[j] * v_stride;
             for (int64_t i = 0; i < dv; i++)
-                row[i] = bf16_f32(v[i]);
+                row[i] = bf16_to_f32(v[i]);
             for (int64_t i = 0; i < dv; i++)
                 o[i] += p[j] * row[i];
         }
@@ -103,8 +97,6 @@ static inline __attribute__((always_inline)) int attend_one(
 DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
 DEFINE_ATTEND(attend_plain, )
 
-int mox_has_avx512bf16(void);
-
 /* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
  * 0, keys2 then unused) and values [., h_kv, dv]: the layer's store as flat slots (slot
  * strides k_stride, k2_stride, v_stride); out [T, h, dv] float32. Returns 0, or -1 (bad
@@ -121,6 +113,8 @@ int mox_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     for (int64_t t = 0; t < num_tokens; t++)
         if (lengths[t] < 1)
             return -1;
+    if (fast && !mox_has_avx512bf16())
+        return -1;
     if (fast)
         return attend_avx512(q, q_stride, keys, keys2, values, k_stride, k2_stride, v_stride,
                              slots, starts, lengths, num_tokens, h, h_kv, d, d2, dv, scale,

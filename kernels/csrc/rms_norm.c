@@ -5,23 +5,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float from_bf16(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* x [rows, dim] (row stride ldx), weight [dim], out [rows, dim] (row stride ldo) */
 int mox_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,
@@ -34,12 +19,14 @@ int mox_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, ui
         uint16_t *yr = out + r * ldo;
         float sum = 0.0f;
         for (int64_t i = 0; i < dim; i++) {
-            float v = from_bf16(xr[i]);
+            float v = bf16_to_f32(xr[i]);
             sum += v * v;
         }
         float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++)
-            yr[i] = to_bf16(from_bf16(weight[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * scale)));
+        for (int64_t i = 0; i < dim; i++) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * scale));
+            yr[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
     }
     return 0;
 }

@@ -166,8 +166,7 @@ class Router:
     def _close_model(self, name: str, reason: MoxError) -> list[RequestOutput]:
         """Abort the model's requests with `reason` and free its memory; it stays listed."""
         model = self.models.get(name) or self.served(name)
-        outputs = [out for rid in self.admission.of_model(name)
-                   if (out := self.abort(rid, reason)) is not None]
+        outputs = self._abort_requests_of(name, reason)
         if model.state == ModelState.LOADING:
             self._loader.drain()                              # let its load land first
             self._install_landed()
@@ -381,14 +380,18 @@ class Router:
               what: str = "failed to load") -> list[RequestOutput]:
         """The model serves nothing more until it is re-added: its requests, running or
         waiting, end with `error`, and its memory is freed."""
-        reason = ModelUnavailableError(f"model {model.name!r} {what}: {error}")
-        ids = self.admission.of_model(model.name)
-        outputs = [out for out in (self.abort(rid, reason) for rid in ids) if out is not None]
+        outputs = self._abort_requests_of(
+            model.name, ModelUnavailableError(f"model {model.name!r} {what}: {error}"))
         if model.state == ModelState.WARM:
             self.park(model)
         model.pool.resize(0)
         model.state, model.error = ModelState.FAILED, str(error)
         return outputs
+
+    def _abort_requests_of(self, name: str, reason: MoxError) -> list[RequestOutput]:
+        """End every request of the model, running or waiting, with `reason`."""
+        return [out for rid in self.admission.of_model(name)
+                if (out := self.abort(rid, reason)) is not None]
 
     def _park_at(self, model: ServedModel) -> float | None:
         """When the model is due to be parked for idleness (None: not while it stays so)."""

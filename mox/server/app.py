@@ -61,28 +61,33 @@ def _auth_middleware(api_key: str):
     return check_api_key
 
 
-@web.middleware
-async def _limit_body(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse an announced oversize body before reading any of it (aiohttp's own
-    client_max_size catches chunked ones while reading)."""
+def _oversize(request: web.Request) -> web.HTTPRequestEntityTooLarge | None:
+    """The 413 for a body announced larger than the limit (None: within it, or chunked:
+    aiohttp's client_max_size catches those while reading)."""
     limit = request.app[CONTEXT].limits.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit,
-                                            actual_size=request.content_length)
+        return web.HTTPRequestEntityTooLarge(max_size=limit,
+                                             actual_size=request.content_length)
+    return None
+
+
+@web.middleware
+async def _limit_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse an announced oversize body before reading any of it."""
+    if (too_large := _oversize(request)) is not None:
+        raise too_large
     return await handler(request)
 
 
 async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue`: refuse an oversize body before inviting it (aiohttp's default
     sends 100 Continue first, then reads the body only to answer 413)."""
-    limit = request.app[CONTEXT].limits.max_body_bytes
     if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
         return api_error(417, f"unsupported Expect: {request.headers[hdrs.EXPECT][:100]}",
                          "invalid_request_error", None, "expectation_failed",
                          close=True).response()
-    if request.content_length is not None and request.content_length > limit:
-        return http_error(web.HTTPRequestEntityTooLarge(
-            max_size=limit, actual_size=request.content_length)).response()
+    if (too_large := _oversize(request)) is not None:
+        return http_error(too_large).response()
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None
 

@@ -26,7 +26,6 @@ from aiohttp.web_protocol import RequestHandler
 
 from mox.server.errors import api_error
 from mox.server.limits import ServerLimits
-from mox.server.responses import ErrorBody, ErrorDetail
 
 log = logging.getLogger("mox.server")
 
@@ -83,9 +82,9 @@ class _Refuse(asyncio.Protocol):
     """A connection past the cap: one 503 and close, without reading the request."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        body = msgspec.json.encode(ErrorBody(ErrorDetail(
-            "too many open connections; retry shortly", "service_unavailable_error", None,
-            "too_many_connections")))
+        body = msgspec.json.encode(api_error(
+            503, "too many open connections; retry shortly", "service_unavailable_error",
+            None, "too_many_connections").body)
         head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
         assert isinstance(transport, asyncio.WriteTransport)

@@ -13,6 +13,7 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from mox.errors import InvalidRequestError
+from mox.messages import MAX_MODEL_NAME
 from mox.sampling import SamplingParams
 from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 
@@ -20,9 +21,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/co
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
 DEFAULT_TEMPERATURE = 1.0
 SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
-# Registered names are at most 128 characters: a longer one is refused before it can be
-# looked up, or reflected into an error body.
-ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
 T = TypeVar("T")
 
