@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import random
 import shlex
@@ -177,7 +178,13 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False) 
             out = originals[name](*args, **kwargs)
             spent[name] += time.perf_counter() - start
             return out
-        return wrapper
+
+        def steps_wrapper(*args, **kwargs):          # moe_block yields where reads wait
+            start = time.perf_counter()
+            out = yield from originals[name](*args, **kwargs)
+            spent[name] += time.perf_counter() - start
+            return out
+        return steps_wrapper if inspect.isgeneratorfunction(originals[name]) else wrapper
 
     kernels = native.kernels()
     calls = ("_gemv", "_moe", "_attend")

@@ -4,6 +4,7 @@ router calls it from one thread (the offline `LLM`'s, or `AsyncEngine`'s loop).
 
 A model is registered by its spec (its KV layout) and accepts requests at once; it runs only
 once the router hands it its loaded weights (`set_weights`), and its requests wait until then.
+A step whose expert reads are in flight parks while other models step (mox.engine.in_flight).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import msgspec
 import torch
 
 from mox.engine.detokenizer import IncrementalDetokenizer
+from mox.engine.in_flight import InFlight, StepInfo
 from mox.engine.kv_pool import KVPool
 from mox.engine.runner import ModelRunner, SampledToken
-from mox.engine.scheduler import Scheduler, SchedulerConfig
+from mox.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from mox.engine.sequence import Sequence, SequenceStatus
 from mox.engine.threads import COMPUTE_THREADS, SharedCores, use_compute_threads
 from mox.errors import CheckpointError, InvalidRequestError, ModelNotFoundError, MoxError
@@ -40,18 +42,6 @@ class _Model:
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     runner: ModelRunner | None = None          # None until the weights are loaded
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """The batch a step runs: for the router's timeline and its watchdog."""
-
-    model: str
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int        # tokens of sequences still in their prompt
-    started: float                 # time.monotonic()
-    started_cpu: float             # time.thread_time() of the stepping thread
 
 
 @dataclass
@@ -76,6 +66,7 @@ class Engine:
         # the batch of the step in progress (read from other threads), and of the last one
         self.current_step: StepInfo | None = None
         self.last_step: StepInfo | None = None
+        self._in_flight: dict[str, InFlight] = {}  # model -> its parked step
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -143,11 +134,13 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
-        """Free the request's KV at once (between steps no lease is held). With `error`, the
-        output carries its message, and `take_error` gives it to the request's owner."""
+        """Free the request's KV at once (between steps no lease is held; a parked step that
+        runs it is dropped). With `error`, the output carries its message, and `take_error`
+        gives it to the request's owner."""
         live = self._live.get(request_id)
         if live is None:
             return None
+        self._drop_in_flight(request_id)
         if error is not None:
             self._errors[request_id] = error
         return self._finish(live, FinishReason.ABORT, [], "",
@@ -172,41 +165,82 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """Is there a step to run (work of a model whose weights are loaded)?"""
-        return self.scheduler.has_work
+        """Is there a step to run (work of a model whose weights are loaded, or a parked
+        step)?"""
+        return self.scheduler.has_work or bool(self._in_flight)
 
     @property
     def num_live(self) -> int:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
+        """Advance one step: resume a parked step whose reads landed, or start a batch, or,
+        with nothing else to run, resume the oldest parked step (it waits for its reads)."""
         # an I/O thread's one-thread setting leaks into this thread (mox/engine/threads.py)
         use_compute_threads(self.compute_threads if self._shared_cores is None
                             else self._shared_cores.current())
-        batch = self.scheduler.schedule()
-        outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
-                   for s in self.scheduler.out_of_kv]
-        self.scheduler.out_of_kv.clear()
         self.last_step = None
-        if batch is None:
-            return outputs
-        self.current_step = StepInfo(
-            batch.model, len(batch.sequences), batch.num_tokens,
-            sum(s.num_new_tokens for s in batch.sequences
-                if s.seq.num_computed_tokens < s.seq.num_prompt_tokens), time.monotonic(),
-            time.thread_time())
+        outputs: list[RequestOutput] = []
+        step = next((f for f in self._in_flight.values() if f.resumable), None)
+        if step is None:
+            batch = self.scheduler.schedule()
+            outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
+                       for s in self.scheduler.out_of_kv]
+            self.scheduler.out_of_kv.clear()
+            if batch is not None:
+                step = self._start(batch)
+            elif self._in_flight:
+                step = next(iter(self._in_flight.values()))
+            else:
+                return outputs
+        return outputs + self._run(step)
+
+    def _start(self, batch: Batch) -> InFlight:
+        runner = self.models[batch.model].runner
+        info = StepInfo(batch.model, len(batch.sequences), batch.num_tokens,
+                        sum(s.num_new_tokens for s in batch.sequences
+                            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens),
+                        time.monotonic())
+        return InFlight(batch, runner.steps(batch), info, runner.model.experts)
+
+    def _run(self, step: InFlight) -> list[RequestOutput]:
+        """Advance `step` until it ends (its outputs) or parks on reads (nothing yet)."""
+        model = step.info.model
+        self.current_step = step.info
         try:
-            sampled = self.models[batch.model].runner.run(batch)
+            sampled = step.advance()
         except CheckpointError:
+            self._end(step)
             raise           # the model's files are damaged: its owner fails the whole model
         except Exception as e:  # noqa: BLE001 - a refusal or a bug ends this batch, no other
-            for item in batch.sequences:
+            self._end(step)
+            for item in step.batch.sequences:
                 self._errors[item.seq.request_id] = e
-            return outputs + [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
-                                           [], "", error=str(e)) for item in batch.sequences]
+            return [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
+                                 [], "", error=str(e)) for item in step.batch.sequences]
         finally:
-            self.last_step, self.current_step = self.current_step, None
-        return outputs + [self._advance(self._live[s.seq.request_id], s) for s in sampled]
+            self.current_step = None
+        if sampled is None:                        # parked: its reads are in flight
+            self._in_flight[model] = step
+            self.scheduler.set_in_flight(model, True)
+            return []
+        self._end(step)
+        return [self._advance(self._live[s.seq.request_id], s) for s in sampled]
+
+    def _end(self, step: InFlight) -> None:
+        self._in_flight.pop(step.info.model, None)
+        self.scheduler.set_in_flight(step.info.model, False)
+        self.last_step = step.finished_info()
+
+    def _drop_in_flight(self, request_id: str) -> None:
+        """A request of a parked step changes outside it: drop the step (its sequences run
+        it again; it has not advanced them)."""
+        live = self._live.get(request_id)
+        step = None if live is None else self._in_flight.get(live.seq.model)
+        if step is not None and request_id in step.seq_ids:
+            step.close()
+            del self._in_flight[live.seq.model]
+            self.scheduler.set_in_flight(live.seq.model, False)
 
     def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:
         seq, token = live.seq, sampled.token_id

@@ -6,6 +6,7 @@ Legend: T new tokens in the step, K keys the step attends to, S sequences that s
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from mox.engine.sequence import Sequence
 from mox.models import MoEDecoder
 from mox.models.forward_batch import ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
+from mox.pager import ReadsPending
 from mox.sampling import sample
 
 PAD_POSITION = 1 << 40      # a padding key's position: after every query, so always masked
@@ -95,9 +97,11 @@ class ModelRunner:
                             torch.tensor(kv_slots, dtype=torch.long, device=device),
                             torch.tensor(kv_pos, dtype=torch.long, device=device))
 
-    def run(self, batch: Batch) -> list[SampledToken]:
+    def steps(self, batch: Batch) -> Generator[ReadsPending, None, list[SampledToken]]:
+        """Run the batch and sample; yields where the forward pass waits for expert reads
+        (see mox.engine.in_flight)."""
         forward = self.build(batch)
-        logits = self.model.forward_batch(forward)                        # [S, V]
+        logits = yield from self.model.forward_steps(forward)             # [S, V]
         sampling = [item.seq for item in batch.sequences if item.samples]
         for item in batch.sequences:
             item.seq.num_computed_tokens += item.num_new_tokens

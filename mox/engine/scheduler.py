@@ -5,7 +5,9 @@ Design note.
   waited longest since it last ran goes next (round robin among models with work, so none
   starves and a cold model's first request is served between the hot models' steps); a model
   still streaming its experts in (`set_streaming`) goes after every other model with work,
-  whose steps then do not wait behind its reads. A draining model (`set_draining`: the router
+  whose steps then do not wait behind its reads. A model with a step in flight (parked on its
+  expert reads, mox.engine.in_flight) is not scheduled again until that step ends, and its
+  running sequences are never preempted meanwhile. A draining model (`set_draining`: the router
   wants its memory for a model that has waited) finishes its running sequences and starts no
   new ones.
 - Within a model: running sequences first (decodes, and prefills still in progress), then
@@ -62,6 +64,7 @@ class _ModelQueue:
     ready: bool = False               # weights loaded: the model can run
     streaming: bool = False           # its experts are still being read in: it runs last
     draining: bool = False            # finishes its running sequences, starts no new one
+    in_flight: bool = False           # a step of it is parked (waits for reads): not again
 
     @property
     def has_work(self) -> bool:
@@ -69,7 +72,8 @@ class _ModelQueue:
 
     @property
     def runnable(self) -> bool:
-        return self.ready and bool(self.running or (self.waiting and not self.draining))
+        return (self.ready and not self.in_flight
+                and bool(self.running or (self.waiting and not self.draining)))
 
 
 class Scheduler:
@@ -96,6 +100,9 @@ class Scheduler:
 
     def set_draining(self, name: str, draining: bool) -> None:
         self.queues[name].draining = draining
+
+    def set_in_flight(self, name: str, in_flight: bool) -> None:
+        self.queues[name].in_flight = in_flight
 
     @property
     def has_work(self) -> bool:
@@ -159,8 +166,9 @@ class Scheduler:
         return True
 
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
-        """The preemption victim: newest running sequence not already in this step."""
-        running = [s for q in self.queues.values() for s in q.running
+        """The preemption victim: newest running sequence not already in this step, nor in
+        a step in flight (whose KV it is writing)."""
+        running = [s for q in self.queues.values() if not q.in_flight for s in q.running
                    if s is not exclude and id(s) not in self._in_step]
         return max(running, key=lambda s: s.arrival_time, default=None)
 

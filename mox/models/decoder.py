@@ -5,6 +5,7 @@ Legend: T tokens, H hidden, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from mox.models.layers import MLPWeights, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
 from mox.models.moe import MoEWeights, moe_block, route
 from mox.models.rotary import Rotary
-from mox.pager import ModelPool
+from mox.pager import ModelPool, ReadsPending, run_to_end
 
 
 def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -74,10 +75,15 @@ class MoEDecoder:
         assert input_ids.dim() == 1 and input_ids.numel() > 0
         return self.forward_batch(cache.batch_for(input_ids))
 
-    @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward over a flattened batch of sequences; logits `[S, V]` f32 of the tokens
         in `batch.logits_indices` (all `[T, V]` when it is None)."""
+        return run_to_end(self.forward_steps(batch))
+
+    @torch.inference_mode()
+    def forward_steps(self, batch: ForwardBatch) -> Generator[ReadsPending, None, torch.Tensor]:
+        """`forward_batch` as a generator that yields where a MoE layer waits for expert reads,
+        so its driver may step another model meanwhile (the engine does)."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
@@ -86,7 +92,7 @@ class MoEDecoder:
             h = rms_norm(x, layer.post_attention_norm, eps)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)
-                x = x + moe_block(self.spec, layer.mlp, self.experts, h)
+                x = x + (yield from moe_block(self.spec, layer.mlp, self.experts, h))
             else:
                 x = x + layer.mlp(h)
         if batch.logits_indices is not None:

@@ -6,6 +6,7 @@ Legend: T tokens, H hidden, E experts, k experts per token.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from mox.loaders.spec import (
     ModelSpec,
 )
 from mox.models.layers import MLPWeights, linear
-from mox.pager import ModelPool
+from mox.pager import ModelPool, ReadsPending
 
 
 @dataclass
@@ -66,13 +67,17 @@ def route(spec: ModelSpec, w: MoEWeights,
 
 
 def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
-              x: torch.Tensor) -> torch.Tensor:
+              x: torch.Tensor) -> Generator[ReadsPending, None, torch.Tensor]:
     """x `[T, H]` -> `[T, H]`. Experts come in waves from the pager: the resident ones first
     (computed while misses load), then the rest as they arrive; each wave's slot map holds
-    only its experts, so every (token, expert) pair is computed exactly once."""
+    only its experts, so every (token, expert) pair is computed exactly once. Where a wave
+    waits for reads, the block yields them to its driver (mox.pager.pending)."""
     topk_weights, topk_ids = route(spec, w, x)                            # [T, k]
     out = None
-    for lease in experts.waves(w.moe_layer, topk_ids.unique().tolist()):
+    for lease in experts.wave_steps(w.moe_layer, topk_ids.unique().tolist()):
+        if isinstance(lease, ReadsPending):
+            yield lease
+            continue
         # fp32 across waves, rounded once: the result does not depend on how many waves
         # residency split the step into (greedy output is the same cold or warm)
         part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,

@@ -17,7 +17,6 @@ Design note.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from mox.errors import MoxError
 from mox.kernels import NOT_RESIDENT
 from mox.pager.eviction import ExpertKey
 from mox.pager.paging import PagedPool
+from mox.pager.pending import ReadsPending
 from mox.pager.stats import PAGE_IN_BUCKETS
 
 # Prefetch on a rising rate only experts clearly above uniform use: under near-uniform
@@ -107,9 +107,12 @@ class ModelPool(PagedPool):
             assert self.slot_pool.is_quiet, f"{self.name} still has leased experts"
 
     # ---- leases ------------------------------------------------------------------------
-    def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
+    def wave_steps(self, moe_layer: int,
+                   expert_ids: Iterable[int]) -> Iterator[Lease | ReadsPending]:
         """Leases covering `expert_ids` of one layer, resident ones first; each lease is
-        released when the caller asks for the next (or stops iterating)."""
+        released when the caller asks for the next (or stops iterating). Where a wave must
+        wait for reads, a `ReadsPending` comes first: its caller may run other work and ask
+        for the next item once it is `done` (asking earlier blocks until it is)."""
         wanted = sorted(set(expert_ids))
         with self._lock:
             if self.slot_pool.target_slots == 0:
@@ -130,7 +133,11 @@ class ModelPool(PagedPool):
                     self.release(lease)
             if not pending and not missing:
                 return
-            ready, gone = self._wait(moe_layer, pending)
+            reads = self._reads(moe_layer, pending)
+            if not reads.done:
+                yield reads
+            reads.wait()
+            ready, gone = self._pin_arrived(moe_layer, pending)
             with self._lock:
                 missing += gone
                 while missing and not ready and not self._has_room():
@@ -142,6 +149,12 @@ class ModelPool(PagedPool):
                 # the next group loads while the caller computes `ready`
                 pending = self._start_loads(moe_layer, missing, prefetched=False)
                 missing = missing[len(pending):]
+
+    def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
+        """`wave_steps` for a caller that blocks where reads are pending."""
+        for item in self.wave_steps(moe_layer, expert_ids):
+            if isinstance(item, Lease):
+                yield item
 
     def acquire(self, moe_layer: int, expert_ids: Iterable[int]) -> Lease:
         """All of `expert_ids` resident and pinned at once (they must fit the pool)."""
@@ -267,23 +280,17 @@ class ModelPool(PagedPool):
         pool = self.slot_pool
         return bool(pool.free_slots(1)) or any(s.is_evictable for s in pool.slots)
 
-    def _wait(self, moe_layer: int, pending: list[int]) -> tuple[list[int], list[int]]:
-        """Without the lock: wait for these loads; pin what arrived. Returns (ready, gone):
-        `gone` were evicted again between their commit and our pin (rare; retried)."""
+    def _reads(self, moe_layer: int, pending: list[int]) -> ReadsPending:
         with self._lock:
             futures = [self._inflight.get((moe_layer, e)) for e in pending]
-        start = time.perf_counter()
-        self.waiting_on = (f"reads of {len(pending)} experts of MoE layer {moe_layer} "
-                           f"({self.loader.reader.num_queued()} reads queued on the I/O threads)")
-        try:
-            for future in futures:
-                if future is not None:
-                    future.result()               # a load error propagates to this step
-        finally:
-            self.waiting_on = None
+        return ReadsPending(self, moe_layer, tuple(pending),
+                            tuple(f for f in futures if f is not None))
+
+    def _pin_arrived(self, moe_layer: int, pending: list[int]) -> tuple[list[int], list[int]]:
+        """Pin the loads that landed. Returns (ready, gone): `gone` were evicted again
+        between their commit and our pin (rare; retried)."""
         ready, gone = [], []
         with self._lock:
-            self.counters.stall_seconds += time.perf_counter() - start
             for expert in pending:
                 index = self.slot_pool.lookup((moe_layer, expert))
                 if index == NOT_RESIDENT:

@@ -110,6 +110,11 @@ class PagedPool:
         for future in futures:
             future.exception()                     # waits; a failed prefetch is not an error
 
+    def count_stall(self, seconds: float) -> None:
+        """A step waited this long for the model's reads."""
+        with self._lock:
+            self.counters.stall_seconds += seconds
+
     # ---- filling and emptying slots (the lock held, except `_load`) --------------------
     def _settle_prefetches(self, moe_layer: int, wanted: set[int]) -> None:
         """Now that this layer's routing is known: queued prefetches it does not want are

@@ -35,7 +35,7 @@ from typing import IO
 
 import msgspec
 
-from mox.engine.engine import Engine, StepInfo
+from mox.engine import Engine, StepInfo
 from mox.engine.scheduler import SchedulerConfig
 from mox.errors import (
     CheckpointError,
@@ -252,8 +252,6 @@ class Router:
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
-        before = {name: m.pool.step_figures() for name, m in self.models.items()
-                  if m.holds_device_memory}
         for name, m in self.models.items():
             if m.state == ModelState.WARM:
                 self.engine.set_streaming(name, m.pool.preloading)
@@ -263,23 +261,19 @@ class Router:
             failed = self.models[self.engine.last_step.model]
             log.error("model %s failed: %s", failed.name, e)
             return outputs + self._fail(failed, e, "failed")
-        self._record(self.engine.last_step, before)
+        self._record(self.engine.last_step)
         self._account(stepped)
         return outputs + stepped
 
-    def _record(self, step: StepInfo | None, before: dict[str, tuple]) -> None:
-        """The step's line in the timeline: its batch, and its model's pager figures since
-        just before it."""
+    def _record(self, step: StepInfo | None) -> None:
+        """The line in the timeline of a step that ended: its batch and what it took."""
         if step is None:
             return
-        model = self.models[step.model]
-        stall, misses, waves, nbytes = (now - then for now, then in
-                                        zip(model.pool.step_figures(), before[step.model]))
         self.timeline.add(StepRecord(
             step.started, step.model, step.num_seqs, step.num_tokens, step.num_prefill_tokens,
-            time.monotonic() - step.started, time.thread_time() - step.started_cpu, stall,
-            misses, waves, nbytes,
-            sum(self.has_requests(n) for n in self.models if n != step.model)))
+            step.seconds, step.cpu_seconds, step.stall_seconds, step.misses, step.waves,
+            step.bytes_read, sum(self.has_requests(n) for n in self.models if n != step.model),
+            step.parked_seconds))
 
     def step_in_progress(self) -> tuple[float, str] | None:
         """(seconds, what) of the step running now, or None; safe from any thread (the

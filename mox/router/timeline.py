@@ -2,7 +2,8 @@
 
 Every router step that runs a batch leaves a `StepRecord`: when it started, which model
 stepped, how many sequences and tokens (prefill and decode), how long it took, and what it
-waited on in the pager (seconds stalled on expert reads, misses, waves, bytes read). The last
+waited on in the pager (seconds stalled on expert reads, misses, waves, bytes read), and how
+long it was parked on its reads while other models stepped (mox.engine.in_flight). The last
 `TIMELINE_LENGTH` records stay in memory (`Router.timeline.records`), and `mox serve
 --step-log FILE` appends each as a JSON line (a write error logs once and stops the log).
 
@@ -45,6 +46,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     waves: int = 0
     bytes_read: int = 0
     num_waiting_models: int = 0     # other models with requests while this one stepped
+    parked_seconds: float = 0.0     # of `seconds`, parked on its reads while others stepped
 
 
 class Timeline:

@@ -114,8 +114,9 @@ def test_a_failing_step_ends_only_its_batch(hf_checkpoints):
 
     def broken(batch):
         raise RuntimeError("a bug")
+        yield                                      # a generator, as the runner's steps are
 
-    engine.models["mixtral"].runner.run = broken
+    engine.models["mixtral"].runner.steps = broken
     engine.add_request(Request("bad", "mixtral", [1, 2, 3], GREEDY))
     engine.add_request(Request("good", "qwen3_moe", [1, 2, 3], GREEDY))
     outputs = _run(engine)

@@ -1,0 +1,102 @@
+"""A step in flight: one batch's forward pass, which may pause where a MoE layer waits for
+expert reads (mox.pager.pending) while the engine steps other models.
+
+Design note.
+- The runner's `steps(batch)` is a generator: it yields a `ReadsPending` where a layer's
+  routed experts are still being read, and returns the sampled tokens at its end. The engine
+  advances it; when it yields, the engine parks it and runs another model's batch (the
+  scheduler skips a model with a step in flight), then resumes it once its reads are `done`,
+  or at once when nothing else can run (the pass then blocks on the reads, as a step always
+  did before).
+- Nothing a parked step holds can change under it: its sequences' KV blocks were reserved
+  before it started and another model's scheduling never preempts them; the experts it
+  computed are released and the ones it waits for are reserved by their loads. A parked step
+  has not advanced its sequences (that happens after sampling), so dropping it (`close`: an
+  abort of one of its requests) loses only its work: its sequences run it again.
+- Its figures for the timeline: seconds from start to end (parked time included and also
+  counted apart), the CPU seconds of its own slices, and its model's pager counters over its
+  life (other models' steps do not touch them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from mox.engine.runner import SampledToken
+from mox.engine.scheduler import Batch
+from mox.pager import ModelPool, ReadsPending
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The batch a step runs, and when finished what it took: for the router's timeline and
+    its watchdog."""
+
+    model: str
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int        # tokens of sequences still in their prompt
+    started: float                 # time.monotonic()
+    seconds: float = 0.0           # start to end, parked time included
+    cpu_seconds: float = 0.0       # the stepping thread's CPU time in this step's slices
+    parked_seconds: float = 0.0    # parked while other models stepped
+    stall_seconds: float = 0.0     # blocked on its expert reads
+    misses: int = 0
+    waves: int = 0
+    bytes_read: int = 0
+
+
+@dataclass
+class InFlight:
+    batch: Batch
+    steps: Generator[ReadsPending, None, list[SampledToken]]
+    info: StepInfo
+    pool: ModelPool
+    pager_before: tuple[float, int, int, int] = field(init=False)
+    pending: ReadsPending | None = None
+    cpu_seconds: float = 0.0
+    parked_at: float | None = None
+    parked_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.pager_before = self.pool.step_figures()
+
+    @property
+    def seq_ids(self) -> set[str]:
+        return {item.seq.request_id for item in self.batch.sequences}
+
+    @property
+    def resumable(self) -> bool:
+        """Parked, and the reads it waits for have landed."""
+        return self.pending is not None and self.pending.done
+
+    def advance(self) -> list[SampledToken] | None:
+        """Run until the pass ends (its sampled tokens) or waits for reads (None: parked)."""
+        now, cpu = time.monotonic(), time.thread_time()
+        if self.parked_at is not None:
+            self.parked_seconds += now - self.parked_at
+            self.parked_at = None
+        try:
+            self.pending = next(self.steps)
+            self.parked_at = time.monotonic()
+            return None
+        except StopIteration as finished:
+            self.pending = None
+            return finished.value
+        finally:
+            self.cpu_seconds += time.thread_time() - cpu
+
+    def finished_info(self) -> StepInfo:
+        """The step's info with what it took (call once it ended, or failed)."""
+        stall, misses, waves, nbytes = (now - then for now, then in
+                                        zip(self.pool.step_figures(), self.pager_before))
+        return StepInfo(self.info.model, self.info.num_seqs, self.info.num_tokens,
+                        self.info.num_prefill_tokens, self.info.started,
+                        time.monotonic() - self.info.started, self.cpu_seconds,
+                        self.parked_seconds, stall, misses, waves, nbytes)
+
+    def close(self) -> None:
+        """Drop the step (it has not advanced its sequences; its leases end)."""
+        self.steps.close()
