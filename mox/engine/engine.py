@@ -4,7 +4,8 @@ router calls it from one thread (the offline `LLM`'s, or `AsyncEngine`'s loop).
 
 A model is registered by its spec (its KV layout) and accepts requests at once; it runs only
 once the router hands it its loaded weights (`set_weights`), and its requests wait until then.
-A step whose expert reads are in flight parks while other models step (mox.engine.in_flight).
+Steps run in slices: one whose expert reads are in flight parks while other models step
+(mox.engine.in_flight).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Engine:
         # the batch of the step in progress (read from other threads), and of the last one
         self.current_step: StepInfo | None = None
         self.last_step: StepInfo | None = None
-        self._in_flight: dict[str, InFlight] = {}  # model -> its parked step
+        self._in_flight: dict[str, InFlight] = {}  # model -> its step in flight
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -134,8 +135,8 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
-        """Free the request's KV at once (between steps no lease is held; a parked step that
-        runs it is dropped). With `error`, the output carries its message, and `take_error`
+        """Free the request's KV at once (between steps no lease is held; a step in flight
+        that runs it is dropped). With `error`, the output carries its message, and `take_error`
         gives it to the request's owner."""
         live = self._live.get(request_id)
         if live is None:
@@ -165,8 +166,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """Is there a step to run (work of a model whose weights are loaded, or a parked
-        step)?"""
+        """Is there a step to run (work of a model whose weights are loaded, or a step in
+        flight)?"""
         return self.scheduler.has_work or bool(self._in_flight)
 
     @property
@@ -174,26 +175,31 @@ class Engine:
         return len(self._live)
 
     def step(self) -> list[RequestOutput]:
-        """Advance one step: resume a parked step whose reads landed, or start a batch, or,
-        with nothing else to run, resume the oldest parked step (it waits for its reads)."""
+        """Run steps slice by slice (a slice ends at a layer boundary or where a layer waits
+        for reads) until one ends or nothing can run. Each slice goes to the oldest step in
+        flight that can go on; else a new batch starts; else the oldest step parked on reads
+        resumes and waits for them."""
         # an I/O thread's one-thread setting leaks into this thread (mox/engine/threads.py)
         use_compute_threads(self.compute_threads if self._shared_cores is None
                             else self._shared_cores.current())
         self.last_step = None
         outputs: list[RequestOutput] = []
-        step = next((f for f in self._in_flight.values() if f.resumable), None)
-        if step is None:
-            batch = self.scheduler.schedule()
-            outputs = [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
-                       for s in self.scheduler.out_of_kv]
-            self.scheduler.out_of_kv.clear()
-            if batch is not None:
-                step = self._start(batch)
-            elif self._in_flight:
-                step = next(iter(self._in_flight.values()))
-            else:
-                return outputs
-        return outputs + self._run(step)
+        while True:
+            step = next((f for f in self._in_flight.values() if f.resumable), None)
+            if step is None:
+                batch = self.scheduler.schedule()
+                outputs += [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
+                            for s in self.scheduler.out_of_kv]
+                self.scheduler.out_of_kv.clear()
+                if batch is not None:
+                    step = self._start(batch)
+                elif self._in_flight:
+                    step = next(iter(self._in_flight.values()))
+                else:
+                    return outputs
+            ended = self._run(step)
+            if ended is not None:
+                return outputs + ended
 
     def _start(self, batch: Batch) -> InFlight:
         runner = self.models[batch.model].runner
@@ -201,11 +207,13 @@ class Engine:
                         sum(s.num_new_tokens for s in batch.sequences
                             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens),
                         time.monotonic())
-        return InFlight(batch, runner.steps(batch), info, runner.model.experts)
+        step = InFlight(batch, runner.steps(batch), info, runner.model.experts)
+        self._in_flight[batch.model] = step            # in start order: oldest first
+        self.scheduler.set_in_flight(batch.model, True)
+        return step
 
-    def _run(self, step: InFlight) -> list[RequestOutput]:
-        """Advance `step` until it ends (its outputs) or parks on reads (nothing yet)."""
-        model = step.info.model
+    def _run(self, step: InFlight) -> list[RequestOutput] | None:
+        """One slice of `step`: its outputs if it ended, None if it yielded."""
         self.current_step = step.info
         try:
             sampled = step.advance()
@@ -220,10 +228,8 @@ class Engine:
                                  [], "", error=str(e)) for item in step.batch.sequences]
         finally:
             self.current_step = None
-        if sampled is None:                        # parked: its reads are in flight
-            self._in_flight[model] = step
-            self.scheduler.set_in_flight(model, True)
-            return []
+        if sampled is None:
+            return None
         self._end(step)
         return [self._advance(self._live[s.seq.request_id], s) for s in sampled]
 
@@ -233,8 +239,8 @@ class Engine:
         self.last_step = step.finished_info()
 
     def _drop_in_flight(self, request_id: str) -> None:
-        """A request of a parked step changes outside it: drop the step (its sequences run
-        it again; it has not advanced them)."""
+        """A request of a step in flight changes outside it: drop the step (its sequences
+        run it again; it has not advanced them)."""
         live = self._live.get(request_id)
         step = None if live is None else self._in_flight.get(live.seq.model)
         if step is not None and request_id in step.seq_ids:

@@ -1,13 +1,14 @@
-"""A step in flight: one batch's forward pass, which may pause where a MoE layer waits for
-expert reads (mox.pager.pending) while the engine steps other models.
+"""A step in flight: one batch's forward pass, run in slices, which parks where a MoE layer
+waits for expert reads (mox.pager.pending) while the engine steps other models.
 
 Design note.
-- The runner's `steps(batch)` is a generator: it yields a `ReadsPending` where a layer's
-  routed experts are still being read, and returns the sampled tokens at its end. The engine
-  advances it; when it yields, the engine parks it and runs another model's batch (the
-  scheduler skips a model with a step in flight), then resumes it once its reads are `done`,
-  or at once when nothing else can run (the pass then blocks on the reads, as a step always
-  did before).
+- The runner's `steps(batch)` is a generator: it yields None at each layer boundary and a
+  `ReadsPending` where a layer's routed experts are still being read, and returns the sampled
+  tokens at its end. The engine gives each slice to the oldest step in flight that can go on,
+  so a step parked on reads resumes within a layer of their landing; only when every step in
+  flight waits for reads does another model's batch start (the scheduler skips a model with a
+  step in flight), and with nothing else to run the oldest resumes at once and blocks on its
+  reads (as every step did before).
 - Nothing a parked step holds can change under it: its sequences' KV blocks were reserved
   before it started and another model's scheduling never preempts them; the experts it
   computed are released and the ones it waits for are reserved by their loads. A parked step
@@ -51,7 +52,7 @@ class StepInfo:
 @dataclass
 class InFlight:
     batch: Batch
-    steps: Generator[ReadsPending, None, list[SampledToken]]
+    steps: Generator[ReadsPending | None, None, list[SampledToken]]
     info: StepInfo
     pool: ModelPool
     pager_before: tuple[float, int, int, int] = field(init=False)
@@ -69,11 +70,13 @@ class InFlight:
 
     @property
     def resumable(self) -> bool:
-        """Parked, and the reads it waits for have landed."""
-        return self.pending is not None and self.pending.done
+        """Can it go on without waiting (not started, at a layer boundary, or its reads
+        landed)?"""
+        return self.pending is None or self.pending.done
 
     def advance(self) -> list[SampledToken] | None:
-        """Run until the pass ends (its sampled tokens) or waits for reads (None: parked)."""
+        """One slice: run until the pass ends (its sampled tokens) or yields at a layer
+        boundary or where it waits for reads (None)."""
         now, cpu = time.monotonic(), time.thread_time()
         if self.parked_at is not None:
             self.parked_seconds += now - self.parked_at

@@ -97,9 +97,9 @@ class ModelRunner:
                             torch.tensor(kv_slots, dtype=torch.long, device=device),
                             torch.tensor(kv_pos, dtype=torch.long, device=device))
 
-    def steps(self, batch: Batch) -> Generator[ReadsPending, None, list[SampledToken]]:
-        """Run the batch and sample; yields where the forward pass waits for expert reads
-        (see mox.engine.in_flight)."""
+    def steps(self, batch: Batch) -> Generator[ReadsPending | None, None, list[SampledToken]]:
+        """Run the batch and sample; yields at the forward pass's layer boundaries and where
+        it waits for expert reads (see mox.engine.in_flight)."""
         forward = self.build(batch)
         logits = yield from self.model.forward_steps(forward)             # [S, V]
         sampling = [item.seq for item in batch.sequences if item.samples]

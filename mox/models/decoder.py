@@ -81,9 +81,11 @@ class MoEDecoder:
         return run_to_end(self.forward_steps(batch))
 
     @torch.inference_mode()
-    def forward_steps(self, batch: ForwardBatch) -> Generator[ReadsPending, None, torch.Tensor]:
-        """`forward_batch` as a generator that yields where a MoE layer waits for expert reads,
-        so its driver may step another model meanwhile (the engine does)."""
+    def forward_steps(self, batch: ForwardBatch
+                      ) -> Generator[ReadsPending | None, None, torch.Tensor]:
+        """`forward_batch` as a generator that yields None after each layer and the reads a
+        MoE layer waits for, so its driver may step another model meanwhile (the engine
+        does)."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
@@ -95,6 +97,7 @@ class MoEDecoder:
                 x = x + (yield from moe_block(self.spec, layer.mlp, self.experts, h))
             else:
                 x = x + layer.mlp(h)
+            yield None
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]                                               # [S, H]
         x = rms_norm(x, self.final_norm, eps)

@@ -55,11 +55,13 @@ class ReadsPending:
             self.pool.count_stall(time.perf_counter() - start)
 
 
-def run_to_end(steps: Generator[ReadsPending, None, T]) -> T:
-    """Drive a step to its result, waiting wherever it waits for reads."""
+def run_to_end(steps: Generator[ReadsPending | None, None, T]) -> T:
+    """Drive a step to its result, waiting wherever it waits for reads (it may also yield
+    None where it could pause)."""
     while True:
         try:
             pending = next(steps)
         except StopIteration as finished:
             return finished.value
-        pending.wait()
+        if pending is not None:
+            pending.wait()

@@ -80,9 +80,11 @@ def test_aborting_a_request_of_a_parked_step_drops_only_that_step(gated, hf_chec
     engine, gate, paged = gated
     engine.add_request(Request("a", "paged", [3, 1, 4], GREEDY))
     engine.add_request(Request("b", "paged", [5, 9, 2, 6], GREEDY))
+    engine.add_request(Request("r", "resident", [2, 7, 1], GREEDY))
     outputs: dict[str, list] = {}
-    engine.step()
-    assert engine.scheduler.queues["paged"].in_flight   # parked on its held reads
+    engine.step()                       # "paged" parks on its held reads, "resident" steps
+    assert engine.last_step.model == "resident"
+    assert engine.scheduler.queues["paged"].in_flight
     out = engine.abort("a")
     assert out.finish_reason == FinishReason.ABORT
     assert not engine.scheduler.queues["paged"].in_flight
@@ -100,11 +102,12 @@ def test_a_parked_steps_sequences_are_never_preempted(gated):
     """Another model's step that needs KV preempts only sequences not in a parked step (that
     step is writing their blocks)."""
     engine, gate, _ = gated
-    engine.add_request(Request("p", "paged", list(range(1, 12)), GREEDY))
-    engine.step()
+    engine.add_request(Request("r", "resident", [2, 7, 1], GREEDY))
+    engine.add_request(Request("p", "paged", list(range(1, 12)), GREEDY))   # the newest
+    engine.step()                       # "paged" parks on its held reads, "resident" steps
     assert engine.scheduler.queues["paged"].in_flight
     parked = engine.scheduler.queues["paged"].running[0]
-    assert engine.scheduler._newest_running(exclude=None) is None
-    engine.add_request(Request("r", "resident", [2, 7, 1], GREEDY))
-    engine.step()                                  # "resident" runs beside the parked step
+    newest = engine.scheduler._newest_running(exclude=None)
+    assert newest is not None and newest.model == "resident"
+    engine.step()
     assert parked.block_table and parked in engine.scheduler.queues["paged"].running
