@@ -94,10 +94,6 @@ class Engine:
             entry.runner = ModelRunner(model, entry.kv)
         self.scheduler.set_ready(name, model is not None)
 
-    def set_streaming(self, name: str, streaming: bool) -> None:
-        """The model's experts are still being read in: it steps after every other model."""
-        self.scheduler.set_streaming(name, streaming)
-
     def set_draining(self, name: str, draining: bool) -> None:
         """The model finishes its running sequences and starts no new one (its waiting
         requests wait for it to run again)."""

@@ -3,11 +3,11 @@
 Design note.
 - Token-level switching: each step runs one batch of one model. The model whose queue has
   waited longest since it last ran goes next (round robin among models with work, so none
-  starves and a cold model's first request is served between the hot models' steps); a model
-  still streaming its experts in (`set_streaming`) goes after every other model with work,
-  whose steps then do not wait behind its reads. A model with a step in flight (parked on its
-  expert reads, mox.engine.in_flight) is not scheduled again until that step ends, and its
-  running sequences are never preempted meanwhile. A draining model (`set_draining`: the router
+  starves and a cold model's first request is served between the hot models' steps). A model
+  with a step in flight (run in slices, parked where its expert reads have not landed:
+  mox.engine.in_flight) is not scheduled again until that step ends, and its running
+  sequences are never preempted meanwhile; so a cold model streaming its experts in computes
+  layer by layer as they land while other models step. A draining model (`set_draining`: the router
   wants its memory for a model that has waited) finishes its running sequences and starts no
   new ones.
 - Within a model: running sequences first (decodes, and prefills still in progress), then
@@ -62,7 +62,6 @@ class _ModelQueue:
     running: list[Sequence] = field(default_factory=list)
     last_run: float = 0.0
     ready: bool = False               # weights loaded: the model can run
-    streaming: bool = False           # its experts are still being read in: it runs last
     draining: bool = False            # finishes its running sequences, starts no new one
     in_flight: bool = False           # a step of it is parked (waits for reads): not again
 
@@ -95,9 +94,6 @@ class Scheduler:
     def set_ready(self, name: str, ready: bool) -> None:
         self.queues[name].ready = ready
 
-    def set_streaming(self, name: str, streaming: bool) -> None:
-        self.queues[name].streaming = streaming
-
     def set_draining(self, name: str, draining: bool) -> None:
         self.queues[name].draining = draining
 
@@ -110,11 +106,11 @@ class Scheduler:
         return any(q.runnable for q in self.queues.values())
 
     def schedule(self) -> Batch | None:
-        candidates = [(q.streaming, q.last_run, name) for name, q in self.queues.items()
+        candidates = [(q.last_run, name) for name, q in self.queues.items()
                       if q.runnable]
         if not candidates:
             return None
-        _, _, model = min(candidates)
+        _, model = min(candidates)
         queue = self.queues[model]
         queue.last_run = time.monotonic()
         budget = self.config.max_batched_tokens

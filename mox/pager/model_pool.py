@@ -200,23 +200,16 @@ class ModelPool(PagedPool):
         them as they land (streaming: layer L computes while later layers still load) and a
         failed read fails the step that needs it."""
         every_layer = set(range(self.num_moe_layers))
+        futures = []
         with self._lock:
             for moe_layer, expert_ids in experts.items():
                 _, _, missing = self._classify(moe_layer, sorted(set(expert_ids)), count=False)
                 started = self._start_loads(moe_layer, missing, prefetched=False,
                                             protect=every_layer, preload=True)
-                self._preloads += [self._inflight[(moe_layer, e)] for e in started]
-            futures = self._preloads
+                futures += [self._inflight[(moe_layer, e)] for e in started]
         if wait:
             for future in futures:
                 future.result()        # a read that failed fails the load (naming the file)
-
-    @property
-    def preloading(self) -> bool:
-        """Is a cold start's read-ahead still in flight?"""
-        with self._lock:
-            self._preloads = [f for f in self._preloads if not f.done()]
-            return bool(self._preloads)
 
     def most_used(self, count: int) -> dict[int, list[int]]:
         """{layer: experts} of the `count` most used (layer, expert) keys (all of them when

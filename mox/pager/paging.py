@@ -67,7 +67,6 @@ class PagedPool:
         self.workspace = MoEWorkspace()
         self.counters = PagerStats()
         self._inflight: dict[ExpertKey, Future] = {}
-        self._preloads: list[Future] = []     # a cold start's read-ahead (`preload`)
         self._resized_at = -math.inf          # when `resize` last changed the slot count
         self.waiting_on: str | None = None    # what a step waits for now (the watchdog reads)
 

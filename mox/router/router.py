@@ -252,9 +252,6 @@ class Router:
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
-        for name, m in self.models.items():
-            if m.state == ModelState.WARM:
-                self.engine.set_streaming(name, m.pool.preloading)
         try:
             stepped = self.engine.step()
         except CheckpointError as e:       # a file damaged or lost while the model was warm

@@ -74,8 +74,8 @@ def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,
     """On a loader thread: the dense weights, then `preload` experts (every one, or the most
     used; at most the pool's slots), queued as one read-ahead rather than met as misses one
     wave at a time inside the model's first steps. `stream`: the model is ready once its
-    dense weights are (its steps take the experts as they land, after other models' steps:
-    the scheduler runs a preloading model last); otherwise once every expert has landed (a
+    dense weights are (its steps take the experts as they land, parked on their reads while
+    other models step: mox.engine.in_flight); otherwise once every expert has landed (a
     whole model, as model-swap serves it)."""
     assert model.ckpt is not None and model.pool is not None
     decoder = load_model(model.ckpt, dtype, device, model.pool)

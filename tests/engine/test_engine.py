@@ -151,22 +151,6 @@ def test_no_model_starves_and_an_idle_model_is_served(hf_checkpoints):
     assert len(finished_at) == 7 and engine.kv_pool.used_bytes == 0
 
 
-def test_a_streaming_model_steps_after_the_others(hf_checkpoints):
-    engine, _ = _engine(hf_checkpoints, names=("mixtral", "olmoe"))
-    engine.add_request(Request("a", "mixtral", [1, 2, 3], GREEDY))
-    engine.add_request(Request("b", "olmoe", [4, 5, 6], GREEDY))
-    engine.set_streaming("mixtral", True)          # its experts are still being read in
-    stepped = []
-    for _ in range(6):
-        engine.step()
-        stepped.append(engine.last_step.model)
-    assert stepped == ["olmoe"] * 6                # mixtral waits while olmoe has work
-    engine.set_streaming("mixtral", False)
-    engine.step()
-    assert engine.last_step.model == "mixtral"     # then round robin resumes
-    _run(engine)
-
-
 def test_seeded_sampling_is_reproducible_in_a_batch(hf_checkpoints):
     def run(seed_b: int) -> list[int]:
         engine, _ = _engine(hf_checkpoints, names=("olmoe",))
