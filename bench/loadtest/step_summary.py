@@ -1,6 +1,7 @@
 """What a server's per-step timeline (`mox serve --step-log`) says about where its time went:
-decode and prefill steps (wall and CPU ms), seconds stalled on expert reads, misses and bytes
-read inside steps, and how many models shared the engine. `mox bench` writes one log per suite
+decode and prefill steps (wall and CPU ms), seconds stalled on expert reads (blocking the
+engine) and parked on them (while other models stepped), misses and bytes read inside steps,
+and how many models shared the engine. `mox bench` writes one log per suite
 and policy (`logs/<suite>-<policy>.steps.jsonl`);
 
     python -m mox.bench.loadtest.step_summary OUT/logs
@@ -25,14 +26,15 @@ MiB = 2**20
 class StepSummary(msgspec.Struct):
     steps: int
     span_s: float                   # first step's start to last step's end
-    busy_s: float                   # sum of step durations
+    busy_s: float                   # sum of step durations, less their parked time
     decode_ms_p50: float
     decode_ms_mean: float
     decode_cpu_ms_mean: float       # the engine thread's CPU time (the rest: waits, preemption)
     decode_seqs_mean: float
     prefill_steps: int
     prefill_ms_mean: float
-    stall_s: float                  # waiting for expert reads inside steps
+    stall_s: float                  # blocked on expert reads inside steps
+    parked_s: float                 # parked on expert reads while other models stepped
     misses: int
     read_mib: float                 # expert bytes read inside steps (loads on the loader
                                     # thread, like model-swap's, are not steps)
@@ -56,17 +58,18 @@ def summarize(records: list[StepRecord]) -> StepSummary:
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0
     return StepSummary(
         len(records), records[-1].start + records[-1].seconds - start,
-        sum(r.seconds for r in records),
+        sum(r.seconds - r.parked_seconds for r in records),
         float(np.median(ms(decode, "seconds"))) if decode else 0.0,
         mean(ms(decode, "seconds")), mean(ms(decode, "cpu_seconds")),
         mean([r.num_seqs for r in decode]), len(prefill), mean(ms(prefill, "seconds")),
-        sum(r.stall_seconds for r in records), sum(r.misses for r in records),
+        sum(r.stall_seconds for r in records), sum(r.parked_seconds for r in records),
+        sum(r.misses for r in records),
         sum(r.bytes_read for r in records) / MiB, mean([len(m) for m in windows.values()]))
 
 
 def table(logs_dir: str) -> str:
     rows = ["| log | steps | busy / span s | decode ms p50 / mean (CPU) | seqs per decode | "
-            "prefills (mean ms) | stalled s | misses | read in steps MiB | models per 10 s |",
+            "prefills (mean ms) | stalled / parked s | misses | read in steps MiB | models per 10 s |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(logs_dir, "*.steps.jsonl"))):
         records = read_steps(path)
@@ -77,7 +80,7 @@ def table(logs_dir: str) -> str:
                     f"{s.busy_s:.0f} / {s.span_s:.0f} | {s.decode_ms_p50:.0f} / "
                     f"{s.decode_ms_mean:.0f} ({s.decode_cpu_ms_mean:.0f}) | "
                     f"{s.decode_seqs_mean:.2f} | {s.prefill_steps} ({s.prefill_ms_mean:.0f}) | "
-                    f"{s.stall_s:.1f} | {s.misses} | {s.read_mib:.0f} | "
+                    f"{s.stall_s:.1f} / {s.parked_s:.1f} | {s.misses} | {s.read_mib:.0f} | "
                     f"{s.models_per_10s:.1f} |")
     return "\n".join(rows)
 

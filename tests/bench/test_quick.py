@@ -143,13 +143,17 @@ def test_step_summary_reads_a_step_log(tmp_path):
 
     records = [StepRecord(0.0, "a", 2, 40, 40, 0.5, 0.4, 0.1, 8, 2, 8 << 20),
                StepRecord(0.5, "a", 2, 2, 0, 0.1, 0.08),
-               StepRecord(12.0, "b", 1, 1, 0, 0.3, 0.1, 0.2, 2, 1, 2 << 20)]
+               StepRecord(12.0, "b", 1, 1, 0, 0.3, 0.1, 0.2, 2, 1, 2 << 20),
+               StepRecord(12.3, "c", 1, 1, 0, 0.5, 0.1, 0.0, 1, 1, 1 << 20,
+                          parked_seconds=0.4)]
     path = tmp_path / "uniform-rate.steps.jsonl"
     path.write_bytes(b"\n".join(msgspec.json.encode(r) for r in records) + b"\n")
     s = summarize(read_steps(str(path)))
-    assert (s.steps, s.prefill_steps, s.misses) == (3, 1, 10)
-    assert s.span_s == pytest.approx(12.3) and s.busy_s == pytest.approx(0.9)
-    assert s.decode_ms_mean == pytest.approx(200) and s.decode_seqs_mean == 1.5
-    assert s.stall_s == pytest.approx(0.3) and s.read_mib == 10
-    assert s.models_per_10s == 1.0                      # a alone, then b alone
-    assert "| uniform-rate | 3 |" in table(str(tmp_path))
+    assert (s.steps, s.prefill_steps, s.misses) == (4, 1, 11)
+    assert s.span_s == pytest.approx(12.8)
+    assert s.busy_s == pytest.approx(1.0)               # c's parked time is not busy
+    assert s.decode_ms_mean == pytest.approx(300) and s.decode_seqs_mean == 4 / 3
+    assert s.stall_s == pytest.approx(0.3) and s.parked_s == pytest.approx(0.4)
+    assert s.read_mib == 11
+    assert s.models_per_10s == 1.5                      # a alone, then b and c
+    assert "| uniform-rate | 4 |" in table(str(tmp_path))
