@@ -21,6 +21,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mox.kernels import NOT_RESIDENT
@@ -211,10 +212,10 @@ class SlotPool:
 
     def lease_map(self, keys_and_slots: list[tuple[ExpertKey, int]]) -> torch.Tensor:
         """`[E]` int32 map holding only these experts (of one layer): what one wave reads."""
-        table = [NOT_RESIDENT] * self.num_experts
+        table = np.full(self.num_experts, NOT_RESIDENT, dtype=np.int32)
         for (_, expert), index in keys_and_slots:
             table[expert] = index
-        return torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+        return torch.from_numpy(table).to(self.device, non_blocking=True)
 
     def grow(self) -> None:
         """Enlarge to the target size, every expert staying in its slot (no load in flight:

@@ -75,6 +75,9 @@ class ExpertUsage:
 
 # Keys a miss-ratio curve tracks exactly; larger key spaces are sampled down to about this.
 EXACT_KEYS = 2048
+# A record of more accesses than this sorts the keys' last uses (O(N log N)) rather than
+# comparing every access with every key (O(kN)): equal at about this many on 512 keys.
+SORT_ABOVE_ACCESSES = 8
 
 
 def _spatial_hash(keys: np.ndarray) -> np.ndarray:
@@ -109,13 +112,18 @@ class MissRatioCurve:
 
     def record(self, keys: np.ndarray, now: float) -> None:
         """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step."""
-        assert len(np.unique(keys)) == len(keys), "keys of one step must be distinct"
+        assert len(set(keys.tolist())) == len(keys), "keys of one step must be distinct"
         slots = self._slot[keys]
         slots = slots[slots >= 0]
         last = self.last_use[slots]
         seen = np.isfinite(last)
-        order = np.sort(self.last_use)
-        distance = len(order) - np.searchsorted(order, last[seen], side="left")
+        # keys used at or after each one's last use: a comparison per (access, key) for a
+        # decode's few accesses, a sort of the keys' times for a prefill's many
+        if seen.sum() <= SORT_ABOVE_ACCESSES:
+            distance = (self.last_use[None, :] >= last[seen][:, None]).sum(axis=1)
+        else:
+            order = np.sort(self.last_use)
+            distance = len(order) - np.searchsorted(order, last[seen], side="left")
         distance = np.minimum(1 + (distance - 1) * self.ratio, self.num_keys)   # itself, once
         weight = self._decay.weight(now) * self.ratio           # each stands for `ratio`
         np.add.at(self.counts, distance - 1, weight)

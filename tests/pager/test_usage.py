@@ -53,7 +53,7 @@ def test_single_key_steps_match_exact_lru_at_every_size():
 def test_layer_steps_match_exact_lru_at_every_size():
     """A step's keys are looked up together, then inserted in order, as the pool sees them."""
     rng = np.random.default_rng(1)
-    for per_step in (4, 12):
+    for per_step in (4, 12, 32):              # both ways of counting distances
         trace = zipf_trace(rng, 1000, per_step)
         hit_rates = curve_of(trace)
         for size in range(1, NUM_KEYS + 1):
