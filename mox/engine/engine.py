@@ -1,5 +1,6 @@
-"""The engine: models, their sequences, one KV pool, and `step()`, which schedules one batch
-of one model, runs it, samples, detokenizes and finishes sequences. Not thread-safe: the
+"""The engine: models, their sequences, one KV pool, and `step()`, which schedules batches of
+one model each and runs them in slices until one ends: its tokens sampled, detokenized, its
+sequences finished where they end. Not thread-safe: the
 router calls it from one thread (the offline `LLM`'s, or `AsyncEngine`'s loop).
 
 A model is registered by its spec (its KV layout) and accepts requests at once; it runs only
@@ -66,6 +67,7 @@ class Engine:
         self._errors: dict[str, Exception] = {}    # why a request aborted; its owner takes it
         # the batch of the step in progress (read from other threads), and of the last one
         self.current_step: StepInfo | None = None
+        self.slice_started = 0.0                    # time.monotonic() of its current slice
         self.last_step: StepInfo | None = None
         self._in_flight: dict[str, InFlight] = {}  # model -> its step in flight
 
@@ -210,6 +212,7 @@ class Engine:
 
     def _run(self, step: InFlight) -> list[RequestOutput] | None:
         """One slice of `step`: its outputs if it ended, None if it yielded."""
+        self.slice_started = time.monotonic()       # before current_step: the watchdog's read
         self.current_step = step.info
         try:
             sampled = step.advance()
@@ -230,9 +233,12 @@ class Engine:
         return [self._advance(self._live[s.seq.request_id], s) for s in sampled]
 
     def _end(self, step: InFlight) -> None:
-        self._in_flight.pop(step.info.model, None)
-        self.scheduler.set_in_flight(step.info.model, False)
+        self._forget(step.info.model)
         self.last_step = step.finished_info()
+
+    def _forget(self, model: str) -> None:
+        self._in_flight.pop(model, None)
+        self.scheduler.set_in_flight(model, False)
 
     def _drop_in_flight(self, request_id: str) -> None:
         """A request of a step in flight changes outside it: drop the step (its sequences
@@ -241,8 +247,7 @@ class Engine:
         step = None if live is None else self._in_flight.get(live.seq.model)
         if step is not None and request_id in step.seq_ids:
             step.close()
-            del self._in_flight[live.seq.model]
-            self.scheduler.set_in_flight(live.seq.model, False)
+            self._forget(live.seq.model)
 
     def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:
         seq, token = live.seq, sampled.token_id

@@ -126,7 +126,8 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, num_new))
                 self._in_step.add(id(seq))
                 budget -= num_new
-            elif self._newest_running(exclude=seq) is None and not scheduled:
+            elif (self._newest_running(exclude=seq) is None and not scheduled
+                  and not self._held_in_flight()):
                 self.release(seq)
                 self.out_of_kv.append(seq)
             else:
@@ -167,6 +168,11 @@ class Scheduler:
         running = [s for q in self.queues.values() if not q.in_flight for s in q.running
                    if s is not exclude and id(s) not in self._in_step]
         return max(running, key=lambda s: s.arrival_time, default=None)
+
+    def _held_in_flight(self) -> bool:
+        """Do steps in flight hold KV (which they free when they end, or become
+        preemptable)? Then a sequence that cannot grow waits instead of ending."""
+        return any(q.in_flight and q.running for q in self.queues.values())
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and put it back at the head of its queue (recompute)."""

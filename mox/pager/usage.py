@@ -92,7 +92,7 @@ class MissRatioCurve:
     An access's stack distance is the number of distinct keys used since its key's last use,
     itself included: an LRU pool of S slots hits it iff distance <= S. The experts of one layer
     step are looked up together, then become most recent in the order given, as an LRU pool
-    would see them. Each record sorts the tracked keys' last-use times: exact up to
+    would see them. Each record counts, per access, the tracked keys used since: exact up to
     `EXACT_KEYS` keys; above that, a fixed spatial sample of about `EXACT_KEYS` of them is
     tracked (SHARDS: a sampled key's distance among sampled keys, times the sampling ratio,
     estimates its distance among all), since a 48 x 128 model's full sort took 4 ms a token

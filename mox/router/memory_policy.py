@@ -10,7 +10,7 @@ Interface:
     loads_whole_models      a cold start reads every expert too (model-swap, all-resident)
     preload(model, slots)   experts a cold start reads with the dense weights
     streams_cold_starts     a cold model runs before its preload has landed (its steps wait
-                            for the experts they need; the scheduler runs it last meanwhile)
+                            for the experts they need; its steps park on their reads meanwhile)
     pins_models             weights never leave (all-resident): no idle parking
     plans_host_cache        the host cache is shared by request rate
     check_fits(view, name)  refuse, at registration, a model the budget can never run

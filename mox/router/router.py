@@ -273,14 +273,14 @@ class Router:
             step.parked_seconds))
 
     def step_in_progress(self) -> tuple[float, str] | None:
-        """(seconds, what) of the step running now, or None; safe from any thread (the
-        watchdog's)."""
+        """(seconds its current slice has run, what) of the step running now, or None; safe
+        from any thread (the watchdog's)."""
         step = self.engine.current_step
         if step is None:
             return None
         model = self.models.get(step.model)
         waiting = None if model is None or model.pool is None else model.pool.waiting_on
-        return (time.monotonic() - step.started,
+        return (time.monotonic() - self.engine.slice_started,
                 f"model {step.model!r}, {step.num_seqs} sequences, {step.num_tokens} tokens "
                 f"({step.num_prefill_tokens} prefill); "
                 f"{'waiting for ' + waiting if waiting else 'computing'}")

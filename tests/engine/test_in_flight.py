@@ -111,3 +111,27 @@ def test_a_parked_steps_sequences_are_never_preempted(gated):
     assert newest is not None and newest.model == "resident"
     engine.step()
     assert parked.block_table and parked in engine.scheduler.queues["paged"].running
+
+
+def test_a_sequence_waits_for_kv_a_parked_step_holds_instead_of_ending(gated, hf_checkpoints):
+    """The KV pool is full and only a parked step's sequences could give blocks back: a
+    decode that needs a block waits for them (preempted, recomputed later) rather than
+    ending as if the pool were its context limit."""
+    engine, gate, _ = gated
+    engine.add_request(Request("p", "paged", list(range(1, 12)), GREEDY))
+    engine.add_request(Request("r", "resident", [2, 7, 1, 8], GREEDY))   # one whole block
+    outputs: dict[str, list] = {}
+    for out in engine.step():           # "paged" parks, "resident" prefills (its one block)
+        outputs.setdefault(out.request_id, []).append(out)
+    assert engine.scheduler.queues["paged"].in_flight and len(outputs["r"]) == 1
+    budget = engine.kv_pool.budget_bytes
+    engine.kv_pool.budget_bytes = engine.kv_pool.used_bytes     # r's next token needs a block
+    gate.set()
+    for out in engine.step():
+        outputs.setdefault(out.request_id, []).append(out)
+    assert all(out.finish_reason is None for out in outputs["r"])
+    engine.kv_pool.budget_bytes = budget
+    _step_until(engine, outputs, lambda: not engine.has_work)
+    resident = open_tiny(hf_checkpoints["mixtral"][0])
+    assert _tokens(outputs["r"]) == _alone(resident, [2, 7, 1, 8], GREEDY.max_tokens)
+    assert engine.kv_pool.used_bytes == 0
