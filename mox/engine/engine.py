@@ -133,17 +133,25 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str, error: MoxError | None = None) -> RequestOutput | None:
-        """Free the request's KV at once (between steps no lease is held; a step in flight
-        that runs it is dropped). With `error`, the output carries its message, and `take_error`
-        gives it to the request's owner."""
+        """End the request and free its KV: at once, or, if a step in flight runs it (and
+        writes its KV), when that step ends; a step left with no live request is dropped.
+        With `error`, the output carries its message, and `take_error` gives it to the
+        request's owner."""
         live = self._live.get(request_id)
         if live is None:
             return None
-        self._drop_in_flight(request_id)
         if error is not None:
             self._errors[request_id] = error
-        return self._finish(live, FinishReason.ABORT, [], "",
-                            error=None if error is None else str(error))
+        step = self._in_flight.get(live.seq.model)
+        running = step is not None and live.seq in step.sequences
+        out = self._finish(live, FinishReason.ABORT, [], "", free_kv=not running,
+                           error=None if error is None else str(error))
+        if running:
+            step.aborted.append(live.seq)
+            if len(step.aborted) == len(step.sequences):
+                step.close()
+                self._forget(step)
+        return out
 
     def take_error(self, request_id: str) -> Exception | None:
         """Why the request aborted, if it failed (its owner takes it once)."""
@@ -221,33 +229,30 @@ class Engine:
             raise           # the model's files are damaged: its owner fails the whole model
         except Exception as e:  # noqa: BLE001 - a refusal or a bug ends this batch, no other
             self._end(step)
-            for item in step.batch.sequences:
-                self._errors[item.seq.request_id] = e
-            return [self._finish(self._live[item.seq.request_id], FinishReason.ABORT,
-                                 [], "", error=str(e)) for item in step.batch.sequences]
+            live = [seq for seq in step.sequences if seq not in step.aborted]
+            for seq in live:
+                self._errors[seq.request_id] = e
+            return [self._finish(self._live[seq.request_id], FinishReason.ABORT, [], "",
+                                 error=str(e)) for seq in live]
         finally:
             self.current_step = None
         if sampled is None:
             return None
         self._end(step)
-        return [self._advance(self._live[s.seq.request_id], s) for s in sampled]
+        return [self._advance(self._live[s.seq.request_id], s) for s in sampled
+                if s.seq not in step.aborted]
 
     def _end(self, step: InFlight) -> None:
-        self._forget(step.info.model)
+        self._forget(step)
         self.last_step = step.finished_info()
 
-    def _forget(self, model: str) -> None:
-        self._in_flight.pop(model, None)
-        self.scheduler.set_in_flight(model, False)
-
-    def _drop_in_flight(self, request_id: str) -> None:
-        """A request of a step in flight changes outside it: drop the step (its sequences
-        run it again; it has not advanced them)."""
-        live = self._live.get(request_id)
-        step = None if live is None else self._in_flight.get(live.seq.model)
-        if step is not None and request_id in step.seq_ids:
-            step.close()
-            self._forget(live.seq.model)
+    def _forget(self, step: InFlight) -> None:
+        """The step is over: its model may run again, and its aborted sequences' KV goes."""
+        self._in_flight.pop(step.info.model, None)
+        self.scheduler.set_in_flight(step.info.model, False)
+        for seq in step.aborted:
+            self.kv_pool.free(seq.model, seq.block_table)
+            seq.block_table = []
 
     def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:
         seq, token = live.seq, sampled.token_id
@@ -274,9 +279,10 @@ class Engine:
         return None
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], delta: str,
-                logprobs: list[float] | None = None, error: str | None = None) -> RequestOutput:
+                logprobs: list[float] | None = None, error: str | None = None,
+                free_kv: bool = True) -> RequestOutput:
         seq = live.seq
-        self.scheduler.release(seq)
+        self.scheduler.release(seq, free_kv)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self._live[seq.request_id]
         return RequestOutput(seq.request_id, tokens, delta, reason, logprobs, error)

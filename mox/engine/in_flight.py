@@ -11,9 +11,10 @@ Design note.
   reads (as every step did before).
 - Nothing a parked step holds can change under it: its sequences' KV blocks were reserved
   before it started and another model's scheduling never preempts them; the experts it
-  computed are released and the ones it waits for are reserved by their loads. A parked step
-  has not advanced its sequences (that happens after sampling), so dropping it (`close`: an
-  abort of one of its requests) loses only its work: its sequences run it again.
+  computed are released and the ones it waits for are reserved by their loads. A request
+  aborted while its step is in flight ends at once, but its KV blocks are freed when the step
+  ends (the step still writes them) and its sampled token is dropped; a step left with no live
+  request is dropped (`close`; it has not advanced its sequences).
 - Its figures for the timeline: seconds from start to end (parked time included and also
   counted apart), the CPU seconds of its own slices, and its model's pager counters over its
   life (other models' steps do not touch them).
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from mox.engine.runner import SampledToken
 from mox.engine.scheduler import Batch
+from mox.engine.sequence import Sequence
 from mox.pager import ModelPool, ReadsPending
 
 
@@ -57,6 +59,7 @@ class InFlight:
     pool: ModelPool
     pager_before: tuple[float, int, int, int] = field(init=False)
     pending: ReadsPending | None = None
+    aborted: list[Sequence] = field(default_factory=list)   # ended; KV freed when it ends
     cpu_seconds: float = 0.0
     parked_at: float | None = None
     parked_seconds: float = 0.0
@@ -65,8 +68,8 @@ class InFlight:
         self.pager_before = self.pool.step_figures()
 
     @property
-    def seq_ids(self) -> set[str]:
-        return {item.seq.request_id for item in self.batch.sequences}
+    def sequences(self) -> list[Sequence]:
+        return [item.seq for item in self.batch.sequences]
 
     @property
     def resumable(self) -> bool:

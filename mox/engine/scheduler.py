@@ -182,13 +182,14 @@ class Scheduler:
         seq.num_preemptions += 1
         self.queues[seq.model].waiting.appendleft(seq)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop the sequence from the running set and return its blocks."""
+    def release(self, seq: Sequence, free_kv: bool = True) -> None:
+        """Drop the sequence from its queue and return its blocks (`free_kv`; else its
+        owner frees them later: a step in flight still writes them)."""
         queue = self.queues[seq.model]
         if seq in queue.running:
             queue.running.remove(seq)
         if seq in queue.waiting:
             queue.waiting.remove(seq)
-        if seq.block_table:
+        if free_kv and seq.block_table:
             self.kv_pool.free(seq.model, seq.block_table)
             seq.block_table = []

@@ -76,7 +76,10 @@ def test_a_step_waiting_for_reads_parks_while_another_model_runs(gated, hf_check
     paged.experts.check_integrity()
 
 
-def test_aborting_a_request_of_a_parked_step_drops_only_that_step(gated, hf_checkpoints):
+def test_aborting_a_request_of_a_parked_step_ends_it_and_the_step_goes_on(gated,
+                                                                           hf_checkpoints):
+    """The aborted request ends at once; its KV blocks (which the parked step still writes)
+    are freed when the step ends; the other request of the step continues from it."""
     engine, gate, paged = gated
     engine.add_request(Request("a", "paged", [3, 1, 4], GREEDY))
     engine.add_request(Request("b", "paged", [5, 9, 2, 6], GREEDY))
@@ -85,10 +88,14 @@ def test_aborting_a_request_of_a_parked_step_drops_only_that_step(gated, hf_chec
     engine.step()                       # "paged" parks on its held reads, "resident" steps
     assert engine.last_step.model == "resident"
     assert engine.scheduler.queues["paged"].in_flight
+    aborted = engine.scheduler.queues["paged"].running[0]
     out = engine.abort("a")
-    assert out.finish_reason == FinishReason.ABORT
-    assert not engine.scheduler.queues["paged"].in_flight
+    assert out.finish_reason == FinishReason.ABORT and engine.abort("a") is None
+    assert engine.scheduler.queues["paged"].in_flight       # b's step goes on
+    assert aborted.block_table                              # still written by the step
     gate.set()
+    _step_until(engine, outputs, lambda: not engine.scheduler.queues["paged"].in_flight)
+    assert not aborted.block_table and "a" not in outputs   # freed; its token dropped
     _step_until(engine, outputs, lambda: not engine.has_work)
     reference = open_tiny(hf_checkpoints["olmoe"][0])
     assert _tokens(outputs["b"]) == _alone(reference, [5, 9, 2, 6], GREEDY.max_tokens)
@@ -96,6 +103,24 @@ def test_aborting_a_request_of_a_parked_step_drops_only_that_step(gated, hf_chec
     paged.experts.wait_for_loads()
     assert paged.experts.slot_pool.is_quiet
     paged.experts.check_integrity()
+
+
+def test_a_parked_step_whose_requests_all_abort_is_dropped(gated):
+    engine, gate, paged = gated
+    engine.add_request(Request("a", "paged", [3, 1, 4], GREEDY))
+    engine.add_request(Request("r", "resident", [2, 7, 1], GREEDY))
+    engine.step()
+    assert engine.scheduler.queues["paged"].in_flight
+    held = engine.kv_pool.used_bytes
+    engine.abort("a")
+    assert not engine.scheduler.queues["paged"].in_flight
+    assert engine.kv_pool.used_bytes < held                 # its KV went with the step
+    gate.set()
+    outputs: dict[str, list] = {}
+    _step_until(engine, outputs, lambda: not engine.has_work)
+    assert engine.kv_pool.used_bytes == 0 and "a" not in outputs
+    paged.experts.wait_for_loads()
+    assert paged.experts.slot_pool.is_quiet
 
 
 def test_a_parked_steps_sequences_are_never_preempted(gated):
