@@ -70,6 +70,7 @@ class Engine:
         self.slice_started = 0.0                    # time.monotonic() of its current slice
         self.last_step: StepInfo | None = None
         self._in_flight: dict[str, InFlight] = {}  # model -> its step in flight
+        self._carried: list[RequestOutput] = []     # outputs a failed step() left behind
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -174,7 +175,7 @@ class Engine:
     def has_work(self) -> bool:
         """Is there a step to run (work of a model whose weights are loaded, or a step in
         flight)?"""
-        return self.scheduler.has_work or bool(self._in_flight)
+        return self.scheduler.has_work or bool(self._in_flight or self._carried)
 
     @property
     def num_live(self) -> int:
@@ -189,7 +190,7 @@ class Engine:
         use_compute_threads(self.compute_threads if self._shared_cores is None
                             else self._shared_cores.current())
         self.last_step = None
-        outputs: list[RequestOutput] = []
+        outputs, self._carried = self._carried, []
         while True:
             step = next((f for f in self._in_flight.values() if f.resumable), None)
             if step is None:
@@ -203,7 +204,11 @@ class Engine:
                     step = next(iter(self._in_flight.values()))
                 else:
                     return outputs
-            ended = self._run(step)
+            try:
+                ended = self._run(step)
+            except CheckpointError:
+                self._carried = outputs         # sequences this call ended: the next call's
+                raise
             if ended is not None:
                 return outputs + ended
 
