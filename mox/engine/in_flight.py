@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mox.engine.runner import SampledToken
 from mox.engine.scheduler import Batch
@@ -98,10 +98,9 @@ class InFlight:
         """The step's info with what it took (call once it ended, or failed)."""
         stall, misses, waves, nbytes = (now - then for now, then in
                                         zip(self.pool.step_figures(), self.pager_before))
-        return StepInfo(self.info.model, self.info.num_seqs, self.info.num_tokens,
-                        self.info.num_prefill_tokens, self.info.started,
-                        time.monotonic() - self.info.started, self.cpu_seconds,
-                        self.parked_seconds, stall, misses, waves, nbytes)
+        return replace(self.info, seconds=time.monotonic() - self.info.started,
+                       cpu_seconds=self.cpu_seconds, parked_seconds=self.parked_seconds,
+                       stall_seconds=stall, misses=misses, waves=waves, bytes_read=nbytes)
 
     def close(self) -> None:
         """Drop the step (it has not advanced its sequences; its leases end)."""

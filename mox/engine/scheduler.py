@@ -63,7 +63,7 @@ class _ModelQueue:
     last_run: float = 0.0
     ready: bool = False               # weights loaded: the model can run
     draining: bool = False            # finishes its running sequences, starts no new one
-    in_flight: bool = False           # a step of it is parked (waits for reads): not again
+    in_flight: bool = False           # a step of it is under way (run in slices): not again
 
     @property
     def has_work(self) -> bool:

@@ -38,21 +38,19 @@ class ReadsPending:
     def wait(self) -> None:
         """Block until every read landed (the time counts as the pool's stall); a failed read
         raises its error (naming the file)."""
-        if self.done:
-            for future in self.futures:
-                future.result()
-            return
-        reader = self.pool.loader.reader
-        self.pool.waiting_on = (f"reads of {len(self.experts)} experts of MoE layer "
-                                f"{self.moe_layer} ({reader.num_queued()} reads queued on the "
-                                "I/O threads)")
+        blocks = not self.done
+        if blocks:
+            self.pool.waiting_on = (f"reads of {len(self.experts)} experts of MoE layer "
+                                    f"{self.moe_layer} ({self.pool.loader.reader.num_queued()} "
+                                    "reads queued on the I/O threads)")
         start = time.perf_counter()
         try:
             for future in self.futures:
                 future.result()
         finally:
-            self.pool.waiting_on = None
-            self.pool.count_stall(time.perf_counter() - start)
+            if blocks:
+                self.pool.waiting_on = None
+                self.pool.count_stall(time.perf_counter() - start)
 
 
 def run_to_end(steps: Generator[ReadsPending | None, None, T]) -> T:
