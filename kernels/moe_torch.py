@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import SILU, Activation
+from .quant import INT8_PER_CHANNEL, ExpertScales, dequantize_experts
 
 NOT_RESIDENT = -1
 SILU_ACTIVATION = Activation(SILU)
@@ -61,16 +62,22 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     workspace: MoEWorkspace | None = None,
                     out_dtype: torch.dtype | None = None,
                     activation: Activation = SILU_ACTIVATION, b13: torch.Tensor | None = None,
-                    b2: torch.Tensor | None = None) -> torch.Tensor:
+                    b2: torch.Tensor | None = None,
+                    scales: ExpertScales | None = None) -> torch.Tensor:
     """`out_dtype` (default x's): float32 keeps the fp32 sum unrounded, for a caller that
     adds several calls (waves) and must round once to get the same result as one call.
     `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
-    routing weight."""
+    routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per output
+    row goes through the native kernel for decode, everything else is dequantized first."""
     out_dtype = out_dtype or x.dtype
-    experts = _Experts(w13, w2, activation, b13, b2)
+    experts = _Experts(w13, w2, activation, b13, b2, scales)
     ws = workspace or MoEWorkspace()
+    per_row = scales is not None and scales.fmt == INT8_PER_CHANNEL
     native_experts = (not experts.has_bias and activation.kind == SILU
-                      and native.takes_experts(x, w13, w2))
+                      and (scales is None or per_row)
+                      and native.takes_experts(x, w13, w2, per_row_scales=per_row))
+    if scales is not None and not native_experts:
+        return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
     if topk_ids.shape[0] == 1:
         slots = slot_of[topk_ids[0].long()].tolist()
         if native_experts:
@@ -96,6 +103,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, contrib)
         return out.to(out_dtype)
+    if scales is not None:            # prefill rows: the GEMMs' arithmetic dominates
+        return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
     if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
@@ -120,6 +129,7 @@ class _Experts:
     activation: Activation
     b13: torch.Tensor | None = None      # [S, 2I]
     b2: torch.Tensor | None = None       # [S, H]
+    scales: ExpertScales | None = None   # w13, w2 stored quantized
 
     @property
     def has_bias(self) -> bool:
@@ -150,6 +160,22 @@ def _one_token(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     return out[None]                                                         # [1, H]
 
 
+def _dequantized(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, slot_of: torch.Tensor, ws: MoEWorkspace,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Quantized experts through the paths above: the slots this call reads, dequantized (by
+    the reference definition) into a compact pool of x's dtype, the slot map renumbered."""
+    used = slot_of[topk_ids.long()].unique()
+    used = used[used != NOT_RESIDENT].long()                              # [A]
+    remap = torch.full((experts.w13.shape[0] + 1,), NOT_RESIDENT, dtype=torch.int32,
+                       device=x.device)
+    remap[used + 1] = torch.arange(used.numel(), dtype=torch.int32, device=x.device)
+    w13, w2 = dequantize_experts(experts.w13, experts.w2, experts.scales, used, x.dtype)
+    b13, b2 = (None, None) if not experts.has_bias else (experts.b13[used], experts.b2[used])
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, remap[slot_of.long() + 1], ws,
+                           out_dtype, experts.activation, b13, b2)
+
+
 def _native_one_token(x: torch.Tensor, experts: _Experts, weights: torch.Tensor,
                       slots: list[int], ws: MoEWorkspace) -> torch.Tensor:
     """Decode of one sequence in one native call: its row once per resident expert;
@@ -177,7 +203,9 @@ def _native_experts(rows: torch.Tensor, experts: _Experts, active: list[int],
     scratch = [ws.get("gate_up", num_rows, 2 * inter, torch.float32, rows.device),
                ws.get("act", num_rows, inter, torch.bfloat16, rows.device),
                ws.get("contrib", num_rows, hidden, torch.float32, rows.device)]
-    return native.kernels().moe_silu(rows, experts.w13, experts.w2, runs, row_weights, scratch)
+    scales = None if experts.scales is None else (experts.scales.w13, experts.scales.w2)
+    return native.kernels().moe_silu(rows, experts.w13, experts.w2, runs, row_weights, scratch,
+                                     scales=scales)
 
 
 def _mv(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from .config import load_spec
 from .errors import CheckpointError
 from .experts import ExpertTensors, expert_index
 from .layout import expected_tensors
+from .quantized import StoredWeight, WeightFormat, stored_weight
 from .safetensors_format import TensorInfo, read_header
 from .spec import ModelSpec
 
@@ -26,18 +27,26 @@ class Checkpoint:
             raise CheckpointError(self.path, "checkpoint folder does not exist")
         self.spec: ModelSpec = load_spec(self.path)
         self.tensors: dict[str, TensorInfo] = _index_tensors(self.path)
-        self._check_layout()
-        self.experts: dict[tuple[int, int], ExpertTensors] = expert_index(self.spec,
-                                                                          self.info)
+        self.stored: dict[str, StoredWeight] = self._check_layout()
+        self.experts: dict[tuple[int, int], ExpertTensors] = expert_index(
+            self.spec, self.stored.__getitem__, self.info)
+        self.expert_format: WeightFormat | None = _expert_format(self)
 
-    def _check_layout(self) -> None:
-        """Every tensor the spec implies is present with its shape: a mismatched file fails
-        here, naming the file and tensor, not later inside a matmul."""
+    def _check_layout(self) -> dict[str, StoredWeight]:
+        """Every tensor the spec implies is present with its shape (or, quantized, its data
+        and scales in the shapes of its format): a mismatched file fails here, naming the
+        file and tensor, not later inside a matmul."""
+        stored = {}
         for name, shape in expected_tensors(self.spec).items():
-            info = self.info(name)
-            if info.shape != shape:
-                raise CheckpointError(info.file, f"tensor {name!r} has shape "
-                                      f"{list(info.shape)}, config.json implies {list(shape)}")
+            weight = stored_weight(self.spec.quant, name, shape, self.tensors.get)
+            if weight is None:
+                self.info(name)                       # raises: missing tensor
+            if weight.scale is None and weight.data.shape != shape:
+                raise CheckpointError(weight.data.file, f"tensor {name!r} has shape "
+                                      f"{list(weight.data.shape)}, config.json implies "
+                                      f"{list(shape)}")
+            stored[name] = weight
+        return stored
 
     def info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
@@ -57,10 +66,20 @@ class Checkpoint:
         """Every non-expert tensor the model reads, in file order. Extra tensors (DeepSeek's
         and GLM's multi-token-prediction layers) stay on disk."""
         expert_names = {info.name for t in self.experts.values() for info in t.infos}
-        names = [n for n in expected_tensors(self.spec) if n not in expert_names]
+        infos = [info for weight in self.stored.values() for info in weight.infos
+                 if info.name not in expert_names]
         if self.spec.tie_word_embeddings and self.has("lm_head.weight"):
-            names.append("lm_head.weight")
-        return sorted((self.tensors[n] for n in names), key=lambda i: (i.file, i.offset))
+            infos.append(self.tensors["lm_head.weight"])
+        return sorted(infos, key=lambda i: (i.file, i.offset))
+
+
+def _expert_format(ckpt: Checkpoint) -> WeightFormat | None:
+    """The format every expert is stored in (None: plainly); mixed experts are refused."""
+    formats = {tensors.fmt for tensors in ckpt.experts.values()}
+    if len(formats) > 1:
+        raise CheckpointError(ckpt.path, "some experts are stored quantized and others not; "
+                              "mox pages a model's experts in one format")
+    return formats.pop() if formats else None
 
 
 def _index_tensors(path: str) -> dict[str, TensorInfo]:

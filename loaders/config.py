@@ -9,6 +9,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .layout import MXFP4_BLOCK_VALUES
+from .quantized import QUANT_METHODS, parse_quantization
 from .rope import ROPE_YARN, RopeSpec, parse_rope, yarn_mscale
 from .spec import (
     ACTIVATION_CLAMPED_SWIGLU,
@@ -68,9 +69,10 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(path, f"unsupported hidden_act {config['hidden_act']!r}")
     method = quantization_method(config)
-    if method is not None and method not in quantizations:
+    if method is not None and method not in quantizations + QUANT_METHODS:
         raise CheckpointError(path, f"quantized checkpoint (quant_method {method!r}) is not "
-                              "supported for this architecture; use a bf16 or fp32 checkpoint")
+                              f"supported for this architecture; mox reads "
+                              f"{', '.join(quantizations + QUANT_METHODS)} or bf16 / fp32")
     num_heads = config["num_attention_heads"]
     num_layers = config["num_hidden_layers"]
     eos = config.get("eos_token_id")
@@ -91,6 +93,7 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
         top_k=config["num_experts_per_tok"],
         eos_token_ids=eos_ids,
         bos_token_id=config.get("bos_token_id"),
+        quant=parse_quantization(config, path),
     )
 
 

@@ -17,11 +17,15 @@ import torch
 
 from .errors import CheckpointError
 from .layout import expert_tensors, fused_expert_tensors, is_fused
+from .quantized import StoredWeight, WeightFormat
 from .safetensors_format import TensorInfo
 from .spec import EXPERTS_FUSED, ModelSpec
 
 # Roles: which slot tensor a part fills, and how its stored layout maps onto it.
 GATE, UP, DOWN = "gate", "up", "down"             # [I, H], [I, H], [H, I]: as the slot holds them
+# Quantized experts (loaders.quantized): each weight's scales beside it, stored as the slot
+# holds them too
+GATE_SCALE, UP_SCALE, DOWN_SCALE = "gate_scale", "up_scale", "down_scale"
 GATE_UP_T = "gate_up_t"           # [H, 2I], columns gate_0, up_0, gate_1, ... (GPT-OSS)
 DOWN_T = "down_t"                 # [I, H] (GPT-OSS)
 GATE_UP_BIAS = "gate_up_bias"     # [2I], gate_0, up_0, gate_1, ... (GPT-OSS)
@@ -51,6 +55,7 @@ class ExpertPart:
 @dataclass(frozen=True)
 class ExpertTensors:
     parts: tuple[ExpertPart, ...]
+    fmt: WeightFormat | None = None       # the weights are stored quantized in this format
 
     @property
     def infos(self) -> tuple[TensorInfo, ...]:
@@ -80,14 +85,13 @@ class ExpertTensors:
         return self.part(DOWN)
 
 
-def expert_index(spec: ModelSpec, info: Callable[[str], TensorInfo]
-                 ) -> dict[tuple[int, int], ExpertTensors]:
-    """Every expert of every MoE layer; `info` looks a tensor up by name."""
+def expert_index(spec: ModelSpec, stored: Callable[[str], StoredWeight],
+                 info: Callable[[str], TensorInfo]) -> dict[tuple[int, int], ExpertTensors]:
+    """Every expert of every MoE layer; `stored` looks a weight up by its logical name,
+    `info` a tensor by its name."""
     moe_layers = [layer for layer in range(spec.num_layers) if spec.moe_layers[layer]]
     if not is_fused(spec):
-        return {(layer, expert): ExpertTensors(tuple(
-                    ExpertPart(info(name), role) for name, role in
-                    zip(expert_tensors(spec, layer, expert), (GATE, UP, DOWN))))
+        return {(layer, expert): _separate(spec, stored, layer, expert)
                 for layer in moe_layers for expert in range(spec.num_experts)}
     index = {}
     for layer in moe_layers:
@@ -99,6 +103,19 @@ def expert_index(spec: ModelSpec, info: Callable[[str], TensorInfo]
             index[layer, expert] = ExpertTensors(tuple(
                 ExpertPart(expert_slice(whole, expert), role) for whole, role in fused))
     return index
+
+
+def _separate(spec: ModelSpec, stored: Callable[[str], StoredWeight], layer: int,
+              expert: int) -> ExpertTensors:
+    """gate, up, down (each followed by its scales where quantized)."""
+    weights = [stored(name) for name in expert_tensors(spec, layer, expert)]
+    parts = []
+    for weight, role, scale_role in zip(weights, (GATE, UP, DOWN),
+                                        (GATE_SCALE, UP_SCALE, DOWN_SCALE)):
+        parts.append(ExpertPart(weight.data, role))
+        if weight.scale is not None:
+            parts.append(ExpertPart(weight.scale, scale_role))
+    return ExpertTensors(tuple(parts), weights[0].fmt)
 
 
 def expert_slice(info: TensorInfo, expert: int) -> TensorInfo:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from .checkpoint import INDEX_FILE, Checkpoint
 from .errors import CheckpointError
-from .layout import expert_tensors, is_fused
+from .layout import is_fused
 from .safetensors_format import DTYPE_NAMES, HEADER_LENGTH_BYTES, TensorInfo
 from .writer import SINGLE_FILE, plan_shards, write_json_atomic
 
@@ -31,11 +31,10 @@ Progress = Callable[[int], None]      # called with the number of bytes just cop
 
 
 def expert_major_units(ckpt: Checkpoint) -> list[list[str]]:
-    """What must stay together, in file order: each expert as [gate, up, down], layer by
-    layer; then every other tensor of the checkpoint (extras too) on its own."""
-    spec = ckpt.spec
-    units = [list(expert_tensors(spec, layer, expert)) for layer in range(spec.num_layers)
-             if spec.moe_layers[layer] for expert in range(spec.num_experts)]
+    """What must stay together, in file order: each expert as [gate, up, down] (each weight
+    followed by its scales where quantized), layer by layer; then every other tensor of the
+    checkpoint (extras too) on its own."""
+    units = [[info.name for info in ckpt.experts[key].infos] for key in sorted(ckpt.experts)]
     placed = {name for unit in units for name in unit}
     return units + [[n] for n in ckpt.tensors if n not in placed]
 

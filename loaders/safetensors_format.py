@@ -29,6 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 

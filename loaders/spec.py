@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .quantized import QuantSpec
 from .rope import RopeSpec
 
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
@@ -128,6 +129,7 @@ class ModelSpec:
     swiglu_limit: float = 7.0
     attention_sinks: bool = False          # a learned per-head logit in every softmax
     mla: MLASpec | None = None             # multi-head latent attention instead of GQA
+    quant: QuantSpec | None = None         # linear weights stored quantized (loaders.quantized)
 
     @property
     def num_moe_layers(self) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import msgspec
 
 from mox.errors import InvalidRequestError
+from mox.kernels.quant import IMPORT_FORMATS
 from mox.messages import ModelSettings
 from mox.model_import import (
     format_bytes,
@@ -149,11 +150,14 @@ def _rm(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     registry = Registry(args.home)
     entry = registry.get(args.name)
-    if entry.repacked:
+    if entry.repacked and args.quantize is None:
         print(f"{entry.name} is already expert-major at {entry.path}; nothing to do")
         return 0
-    new = import_expert_major(registry, entry)
-    print(f"imported {new.name} expert-major into {new.path} "
+    fmt = None if args.quantize is None else IMPORT_FORMATS[args.quantize]
+    new = import_expert_major(registry, entry, fmt)
+    how = "expert-major" if fmt is None else f"expert-major, experts {fmt.describe()}"
+    print(f"imported {new.name} {how} into {new.path}: experts "
+          f"{format_bytes(entry.expert_bytes)} -> {format_bytes(new.expert_bytes)} "
           f"(the original at {entry.path} is left in place)")
     return 0
 
@@ -207,5 +211,8 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
     show = command("show", _show, "show one model's entry")
     show.add_argument("--json", action="store_true")
     command("rm", _rm, "unregister a model (its files stay)")
-    command("import", _import, "repack a model expert-major into MOX_HOME/models")
+    imports = command("import", _import, "repack a model expert-major into MOX_HOME/models")
+    imports.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
+                         help="store its experts quantized: int8 per output channel, int4 in "
+                              "groups of 128, fp8 in 128 x 128 blocks")
     command("verify", _verify, "read every tensor; check sizes and that weights are finite")

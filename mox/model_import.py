@@ -18,7 +18,9 @@ import torch
 from tqdm import tqdm
 
 from mox.errors import CheckpointError
+from mox.kernels.quant import WeightFormat, quantize
 from mox.loaders import Checkpoint
+from mox.loaders.quantize import quantize_checkpoint
 from mox.loaders.repack import repack_expert_major
 from mox.loaders.safetensors_format import TensorInfo
 from mox.loaders.stream import read_tensor
@@ -90,12 +92,39 @@ def _same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
                        read_tensor(b).reshape(-1).view(torch.uint8))
 
 
-def import_expert_major(registry: Registry, entry: ModelEntry) -> ModelEntry:
-    """Repack `entry` into a temp folder beside its final place, check it holds the same
-    tensors, then move it into place and switch the entry over in one registry write. An
+def check_quantized(src: str, dst: str, progress: Progress | None = None) -> None:
+    """Every weight of `dst` is `src`'s, or (quantized) exactly what quantizing `src`'s
+    gives: its stored values and scales compared bit for bit."""
+    original, copy = Checkpoint(src), Checkpoint(dst)
+    for name, weight in copy.stored.items():
+        source = original.stored[name].data
+        if weight.fmt is None:
+            same = _same_bytes(source, weight.data)
+        else:
+            data, scale = quantize(read_tensor(source), weight.fmt)
+            same = (_bytes_equal(read_tensor(weight.data), data)
+                    and _bytes_equal(read_tensor(weight.scale).float(), scale))
+        if not same:
+            raise CheckpointError(weight.data.file, f"tensor {weight.data.name!r} is not "
+                                  f"{src}'s {name!r} {'quantized' if weight.fmt else ''}")
+        if progress is not None:
+            progress(source.nbytes)
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.nbytes == b.nbytes and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def import_expert_major(registry: Registry, entry: ModelEntry,
+                        quantize_to: WeightFormat | None = None) -> ModelEntry:
+    """Repack `entry` (its experts quantized to `quantize_to`, if given) into a temp folder
+    beside its final place, check it holds the same tensors (or their exact quantization),
+    then move it into place and switch the entry over in one registry write. An
     interruption anywhere leaves the registry pointing at the original checkpoint; a kill
     leaves the temp folder, which the model's next import removes."""
-    final = os.path.join(registry.models_dir, validate_name(entry.name) + IMPORTED_SUFFIX)
+    suffix = IMPORTED_SUFFIX if quantize_to is None else f".{quantize_to.kind}"
+    final = os.path.join(registry.models_dir, validate_name(entry.name) + suffix)
     os.makedirs(registry.models_dir, exist_ok=True)
     with _import_lock(registry.models_dir, entry.name):
         # under the lock, every staging folder of this model is a dead importer's
@@ -109,11 +138,20 @@ def import_expert_major(registry: Registry, entry: ModelEntry) -> ModelEntry:
         os.chmod(staged, 0o755)                  # whatever the umask: a server may be another user
         try:
             total = entry.dense_bytes + entry.expert_bytes
+            source = entry.path
+            if quantize_to is not None:
+                source = quantize_checkpoint(entry.path, os.path.join(staged, ".quantized"),
+                                             quantize_to)
+            out = os.path.join(staged, "out")
             with progress_bar(f"repack {entry.name}", total) as bar:
-                repack_expert_major(entry.path, staged, progress=bar.update)
+                repack_expert_major(source, out, progress=bar.update)
+            os.chmod(out, 0o755)                 # whatever the umask: a server may be another user
             with progress_bar(f"check {entry.name}", total) as bar:
-                check_same_tensors(entry.path, staged, bar.update)
-            return registry.switch_checkpoint(entry.name, entry.path, staged, final)
+                if quantize_to is None:
+                    check_same_tensors(entry.path, out, bar.update)
+                else:
+                    check_quantized(entry.path, out, bar.update)
+            return registry.switch_checkpoint(entry.name, entry.path, out, final)
         finally:
             shutil.rmtree(staged, ignore_errors=True)     # already moved after a switch
 

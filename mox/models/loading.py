@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mox.kernels import dequantize
 from mox.loaders import Checkpoint, TensorInfo
 from mox.loaders.spec import QK_NORM_NONE, ModelSpec
 from mox.loaders.stream import ByteRange, StreamingReader
@@ -29,11 +30,13 @@ def prefetch_by_default(device: torch.device) -> bool:
 class _DenseReader:
     """Every dense tensor read at once on the reader's I/O threads (a few groups in file order,
     each group one coalesced run where tensors are adjacent), then handed out by name, on the
-    device and in the serving dtype. Shapes were checked when the checkpoint opened."""
+    device and in the serving dtype. Shapes were checked when the checkpoint opened. Dense
+    weights stored quantized (FP8 DeepSeek checkpoints quantize every linear) are
+    dequantized here: only experts are computed quantized."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
                  reader: StreamingReader) -> None:
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self._stored = dtype, device, ckpt.stored
         infos = ckpt.dense_tensors()
         pin = device.type == "cuda"
         self._host = {i.name: torch.empty(i.shape, dtype=i.dtype, pin_memory=pin)
@@ -46,6 +49,11 @@ class _DenseReader:
 
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor in the serving dtype, or in `dtype` (routers kept in fp32)."""
+        weight = self._stored.get(name)
+        if weight is not None and weight.scale is not None:
+            value = dequantize(self._host[weight.data.name], self._host[weight.scale.name],
+                               weight.fmt, dtype or self.dtype)
+            return value.to(self.device)
         return self._host[name].to(device=self.device, dtype=dtype or self.dtype)
 
 

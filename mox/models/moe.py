@@ -83,7 +83,8 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
         part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
                          spec.activation, backend="auto", workspace=experts.workspace,
                          out_dtype=torch.float32, b13=lease.b13, b2=lease.b2,
-                         swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
+                         swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit,
+                         scales=lease.scales)
         out = part if out is None else out.add_(part)
     out = out.to(x.dtype)
     if w.shared_expert is None:

@@ -112,11 +112,11 @@ class ExpertLoader:
 def _in_place(pool: SlotPool, index: int, tensors: ExpertTensors) -> list[torch.Tensor]:
     """The slot's views that the stored parts can be read straight into, or [] if any part
     needs a decode, a conversion or a strided copy."""
-    if pool.device.type != "cpu" or any(p.role in MXFP4_ROLES or p.info.dtype != pool.dtype
-                                        for p in tensors.parts):
+    if pool.device.type != "cpu" or any(p.role in MXFP4_ROLES for p in tensors.parts):
         return []
     destinations = [pool.destination(index, p.role) for p in tensors.parts]
-    return destinations if all(d.is_contiguous() for d in destinations) else []
+    return destinations if all(d.is_contiguous() and d.dtype == p.info.dtype
+                               for d, p in zip(destinations, tensors.parts)) else []
 
 
 def _placed(pool: SlotPool, index: int, tensors: ExpertTensors,

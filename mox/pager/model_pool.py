@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mox.errors import MoxError
-from mox.kernels import NOT_RESIDENT
+from mox.kernels import NOT_RESIDENT, ExpertScales
 from mox.pager.eviction import ExpertKey
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
@@ -47,6 +47,7 @@ class Lease:
     w2: torch.Tensor
     b13: torch.Tensor | None = None      # [S, 2I] expert biases, where the model has them
     b2: torch.Tensor | None = None       # [S, H]
+    scales: ExpertScales | None = None   # w13 and w2 are stored quantized
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ class PagedPool:
         self._shared, self._lock, self._changed = shared, shared.lock, shared.changed
         self.slot_pool = SlotPool(len(self.moe_layers), spec.num_experts, spec.hidden_size,
                                   spec.moe_intermediate_size, dtype, device,
-                                  self._valid_num_slots(num_slots), spec.expert_bias)
+                                  self._valid_num_slots(num_slots), spec.expert_bias,
+                                  ckpt.expert_format)
         self.policy = make_policy(policy)
         self.num_experts = spec.num_experts
         self.usage = ExpertUsage(len(self.moe_layers), spec.num_experts, spec.top_k)

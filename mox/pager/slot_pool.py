@@ -18,22 +18,26 @@ Legend: L MoE layers, E experts per layer, S slots, H hidden, I intermediate.
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mox.kernels import NOT_RESIDENT
+from mox.kernels import NOT_RESIDENT, ExpertScales, WeightFormat
 from mox.loaders.experts import (
     DOWN,
     DOWN_BIAS,
+    DOWN_SCALE,
     DOWN_T,
     GATE,
+    GATE_SCALE,
     GATE_UP_BIAS,
     GATE_UP_ROWS,
     GATE_UP_T,
     UP,
+    UP_SCALE,
 )
 from mox.pager.eviction import ExpertKey
 
@@ -73,52 +77,70 @@ class _Mapped:
 class SlotPool:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int,
                  dtype: torch.dtype, device: torch.device, num_slots: int,
-                 has_bias: bool = False) -> None:
+                 has_bias: bool = False, fmt: WeightFormat | None = None) -> None:
+        """`fmt`: the experts are stored quantized (their weights in its storage dtype, and
+        float32 scales beside them); `dtype` is then the biases' and the compute dtype."""
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden, self.inter, self.dtype, self.device = hidden, inter, dtype, device
-        self.has_bias = has_bias
+        self.has_bias, self.fmt = has_bias, fmt
         self.slot_of = torch.full((num_layers, num_experts), NOT_RESIDENT, dtype=torch.int32,
                                   device=device)                          # [L, E]
         self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
         self.target_slots = num_slots
         self._mapped: list[_Mapped] | None = None
         if device.type == "cpu":                 # sized for every expert the model has
-            self._mapped = [_Mapped(shape, dtype)
-                            for shape in self._part_shapes(num_layers * num_experts)]
+            self._mapped = [_Mapped(shape, part_dtype) for shape, part_dtype
+                            in self._part_shapes(num_layers * num_experts)]
         self._allocate(num_slots)
 
-    def _part_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        shapes = [(num_slots, 2 * self.inter, self.hidden),                  # w13 [S, 2I, H]
-                  (num_slots, self.hidden, self.inter)]                      # w2 [S, H, I]
+    def _part_shapes(self, num_slots: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of w13 [S, 2I, H], w2 [S, H, I] (stored shapes where quantized),
+        their scales [S, 2, nb, kb] and [S, nb, kb] where quantized, and b13 [S, 2I],
+        b2 [S, H] where the experts have biases."""
+        hidden, inter, fmt = self.hidden, self.inter, self.fmt
+        if fmt is None:
+            parts = [((num_slots, 2 * inter, hidden), self.dtype),
+                     ((num_slots, hidden, inter), self.dtype)]
+        else:
+            parts = [((num_slots, *fmt.stored_shape(2 * inter, hidden)), fmt.storage_dtype),
+                     ((num_slots, *fmt.stored_shape(hidden, inter)), fmt.storage_dtype),
+                     ((num_slots, 2, *fmt.scale_shape(inter, hidden)), torch.float32),
+                     ((num_slots, *fmt.scale_shape(hidden, inter)), torch.float32)]
         if self.has_bias:
-            shapes += [(num_slots, 2 * self.inter), (num_slots, self.hidden)]  # b13, b2
-        return shapes
+            parts += [((num_slots, 2 * inter), self.dtype), ((num_slots, hidden), self.dtype)]
+        return parts
 
     def _allocate(self, num_slots: int) -> None:
         if self._mapped is not None:
             parts = [m.tensor for m in self._mapped]
         else:
-            parts = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                     for shape in self._part_shapes(num_slots)]
+            parts = [torch.empty(shape, dtype=part_dtype, device=self.device)
+                     for shape, part_dtype in self._part_shapes(num_slots)]
         self.w13, self.w2 = parts[0], parts[1]
-        self.b13, self.b2 = (parts[2], parts[3]) if self.has_bias else (None, None)
+        self.w13_scale, self.w2_scale = (parts[2], parts[3]) if self.fmt else (None, None)
+        self.b13, self.b2 = (parts[-2], parts[-1]) if self.has_bias else (None, None)
         self.slots = [Slot() for _ in range(num_slots)]
         self._num_occupied = 0
 
     def in_use(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                              torch.Tensor | None]:
-        """w13, w2, b13, b2 over the slots of the current size (the mapped tensors span
-        every expert; a kernel sizes its per-slot work by the first dim)."""
+                              torch.Tensor | None, ExpertScales | None]:
+        """w13, w2, b13, b2 and the scales over the slots of the current size (the mapped
+        tensors span every expert; a kernel sizes its per-slot work by the first dim)."""
         n = self.num_slots
+        scales = (None if self.fmt is None else
+                  ExpertScales(self.fmt, self.w13_scale[:n], self.w2_scale[:n]))
         return (self.w13[:n], self.w2[:n], None if self.b13 is None else self.b13[:n],
-                None if self.b2 is None else self.b2[:n])
+                None if self.b2 is None else self.b2[:n], scales)
 
     def _parts(self) -> list[torch.Tensor]:
-        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale, self.b13, self.b2)
+                if t is not None]
 
     @property
     def expert_nbytes(self) -> int:
-        return expert_nbytes(self.hidden, self.inter, self.dtype, self.has_bias)
+        """Bytes one expert takes in a slot (as stored: quantized weights and their scales)."""
+        return sum(math.prod(shape[1:]) * part_dtype.itemsize
+                   for shape, part_dtype in self._part_shapes(1))
 
     def destination(self, index: int, role: str) -> torch.Tensor:
         """The view of slot `index` that a stored expert part of this `role` fills with one
@@ -137,6 +159,12 @@ class SlotPool:
             return w13.view(2, inter, self.hidden).transpose(0, 1)
         if role == DOWN_T:           # stored [I, H]
             return w2.t()
+        if role == GATE_SCALE:
+            return self.w13_scale[index, 0]                               # [nb, kb]
+        if role == UP_SCALE:
+            return self.w13_scale[index, 1]
+        if role == DOWN_SCALE:
+            return self.w2_scale[index]
         if role == GATE_UP_BIAS:     # stored [2I] = [I, (gate, up)]
             return self.b13[index].view(2, inter).t()
         if role == DOWN_BIAS:
@@ -279,7 +307,3 @@ class SlotPool:
         assert mapped == sum(s.key is not None and not s.loading for s in self.slots)
         assert self.slot_of.cpu().tolist() == self._slot_of_host, "device table out of sync"
 
-
-def expert_nbytes(hidden: int, inter: int, dtype: torch.dtype, has_bias: bool) -> int:
-    """Bytes one expert takes in a slot: three weights, plus its biases where it has them."""
-    return (3 * hidden * inter + (2 * inter + hidden) * has_bias) * dtype.itemsize

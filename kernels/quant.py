@@ -1,0 +1,134 @@
+"""Quantized expert weights: the formats mox pages and computes as stored, and the one
+definition of their values (`dequantize`) that every kernel backend is checked against.
+
+A weight `[N, K]` (N output rows, K inputs) is stored as integers or FP8 plus scales, one per
+block of `block_rows x block_cols` values (`block_cols` 0: the whole row): the value is
+`stored * scale`. Symmetric (no zero point), as the published layouts mox reads store them:
+- int8, one scale per output row (compressed-tensors `int-quantized`, strategy "channel");
+- int4, groups of 128 inputs (compressed-tensors `pack-quantized`): values + 8 as unsigned
+  nibbles, two a byte, the first in the low nibble (the bytes of its little-endian int32
+  `weight_packed`, eight values each), so stored `[N, K / 2]` uint8;
+- FP8 E4M3, blocks of 128 x 128 (DeepSeek-V3's `weight_scale_inv`, which despite its name
+  multiplies).
+
+Scales are `[ceil(N / block_rows), ceil(K / block_cols)]` float32. An expert's gate and up
+weights are quantized apart, so a slot's w13 scales are `[2, rows, cols]`: gate's, then up's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+INT8, INT4, FP8 = "int8", "int4", "fp8"
+KINDS = (INT8, INT4, FP8)
+_STORAGE = {INT8: torch.int8, INT4: torch.uint8, FP8: torch.float8_e4m3fn}
+_MAX = {INT8: 127.0, INT4: 7.0, FP8: 448.0}
+INT4_OFFSET = 8
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    kind: str                 # INT8 | INT4 | FP8
+    block_rows: int = 1       # output rows sharing one scale
+    block_cols: int = 0       # inputs sharing one scale; 0: the whole row
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown weight format {self.kind!r}; mox reads {KINDS}")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _STORAGE[self.kind]
+
+    def stored_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return (rows, cols // 2) if self.kind == INT4 else (rows, cols)
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return (math.ceil(rows / self.block_rows),
+                1 if self.block_cols == 0 else math.ceil(cols / self.block_cols))
+
+    def describe(self) -> str:
+        cols = "row" if self.block_cols == 0 else str(self.block_cols)
+        return f"{self.kind} (scale per {self.block_rows} x {cols})"
+
+
+INT8_PER_CHANNEL = WeightFormat(INT8)
+INT4_GROUP128 = WeightFormat(INT4, 1, 128)
+FP8_BLOCK128 = WeightFormat(FP8, 128, 128)
+IMPORT_FORMATS = {INT8: INT8_PER_CHANNEL, INT4: INT4_GROUP128, FP8: FP8_BLOCK128}
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`[..., K / 2]` uint8 -> `[..., K]` int8 in [-8, 7]."""
+    low = (packed & 0x0F).to(torch.int8) - INT4_OFFSET
+    high = (packed >> 4).to(torch.int8) - INT4_OFFSET
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """`[..., K]` integers in [-8, 7] (K even) -> `[..., K / 2]` uint8."""
+    unsigned = (values.to(torch.int16) + INT4_OFFSET).to(torch.uint8)
+    return unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
+
+
+def _expand(scale: torch.Tensor, fmt: WeightFormat, rows: int, cols: int) -> torch.Tensor:
+    """Scales `[..., nb, kb]` -> one per value `[..., rows, cols]` (or `[..., rows, 1]`)."""
+    scale = scale.float()
+    if fmt.block_rows > 1:
+        scale = scale.repeat_interleave(fmt.block_rows, dim=-2)[..., :rows, :]
+    if fmt.block_cols > 0:
+        scale = scale.repeat_interleave(fmt.block_cols, dim=-1)[..., :cols]
+    return scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored `[..., N, K']` and scales `[..., nb, kb]` -> values `[..., N, K]` in `dtype`."""
+    values = unpack_int4(data) if fmt.kind == INT4 else data
+    rows, cols = values.shape[-2:]
+    return (values.float() * _expand(scale, fmt, rows, cols)).to(dtype)
+
+
+def quantize(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K]` -> (stored, float32 scales): each block's largest magnitude maps to the
+    format's largest value (round to nearest)."""
+    rows, cols = weight.shape
+    if fmt.kind == INT4 and cols % 2:
+        raise ValueError(f"int4 packs two values a byte: {cols} inputs is odd")
+    w = weight.float()
+    nb, kb = fmt.scale_shape(rows, cols)
+    br, bc = fmt.block_rows, fmt.block_cols or cols
+    padded = torch.zeros(nb * br, kb * bc)
+    padded[:rows, :cols] = w.abs()
+    amax = padded.view(nb, br, kb, bc).amax(dim=(1, 3))                      # [nb, kb]
+    scale = (amax / _MAX[fmt.kind]).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = w / _expand(scale, fmt, rows, cols)
+    if fmt.kind == FP8:
+        return scaled.clamp(-_MAX[FP8], _MAX[FP8]).to(torch.float8_e4m3fn), scale
+    ints = scaled.round().clamp(-_MAX[fmt.kind] - (fmt.kind == INT4), _MAX[fmt.kind])
+    return (pack_int4(ints) if fmt.kind == INT4 else ints.to(torch.int8)), scale
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The scales of a quantized slot pool, beside its stored `w13 [S, 2I, H']` and
+    `w2 [S, H, I']`: `w13 [S, 2, nb, kb]` (gate's, up's), `w2 [S, nb, kb]`, float32."""
+
+    fmt: WeightFormat
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def dequantize_experts(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+                       slots: torch.Tensor, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts in `slots` (int64 `[A]`) as values: `[A, 2I, H]`, `[A, H, I]`."""
+    inter = w13.shape[1] // 2
+    data13 = w13[slots]                                                   # [A, 2I, H']
+    gate = dequantize(data13[:, :inter], scales.w13[slots, 0], scales.fmt, dtype)
+    up = dequantize(data13[:, inter:], scales.w13[slots, 1], scales.fmt, dtype)
+    down = dequantize(w2[slots], scales.w2[slots], scales.fmt, dtype)
+    return torch.cat((gate, up), dim=1), down
