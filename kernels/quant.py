@@ -51,8 +51,13 @@ class WeightFormat:
                 1 if self.block_cols == 0 else math.ceil(cols / self.block_cols))
 
     def describe(self) -> str:
-        cols = "row" if self.block_cols == 0 else str(self.block_cols)
-        return f"{self.kind} (scale per {self.block_rows} x {cols})"
+        """e.g. "int8 per channel", "int4 groups of 128", "fp8 blocks of 128x128"."""
+        if self.block_cols == 0 and self.block_rows == 1:
+            return f"{self.kind} per channel"
+        if self.block_rows == 1:
+            return f"{self.kind} groups of {self.block_cols}"
+        cols = "row" if self.block_cols == 0 else self.block_cols
+        return f"{self.kind} blocks of {self.block_rows}x{cols}"
 
 
 INT8_PER_CHANNEL = WeightFormat(INT8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 from .config import load_spec
@@ -61,6 +62,17 @@ class Checkpoint:
     def expert_nbytes(self) -> int:
         """Bytes of one expert as stored (every expert of a model has the same shape)."""
         return next(iter(self.experts.values())).nbytes if self.experts else 0
+
+    def dense_numel(self) -> int:
+        """Values of the dense weights as the model holds them (quantized ones dequantized
+        on load: their logical shapes, not their stored bytes)."""
+        expert_names = {info.name for t in self.experts.values() for info in t.infos}
+        shapes = expected_tensors(self.spec)
+        numel = sum(math.prod(shapes[name]) for name, weight in self.stored.items()
+                    if weight.data.name not in expert_names)
+        if self.spec.tie_word_embeddings and self.has("lm_head.weight"):
+            numel += math.prod(self.tensors["lm_head.weight"].shape)
+        return numel
 
     def dense_tensors(self) -> list[TensorInfo]:
         """Every non-expert tensor the model reads, in file order. Extra tensors (DeepSeek's

@@ -50,7 +50,7 @@ class CheckpointFacts(msgspec.Struct, frozen=True, kw_only=True):
 
     path: str                     # absolute
     architecture: str             # config.json model_type
-    dtype: str                    # of the expert tensors, e.g. "bfloat16"
+    dtype: str                    # of the experts, e.g. "bfloat16", "int8 per channel"
     dense_bytes: int
     expert_bytes: int             # all experts of all layers
     num_experts: int              # per MoE layer
@@ -95,6 +95,7 @@ def validate_checkpoint(path: str) -> CheckpointFacts:
     some_expert = next(iter(ckpt.experts.values()), None)
     dtype = some_expert.infos[0].dtype if some_expert else next(iter(ckpt.tensors.values())).dtype
     dtype_name = ("mxfp4" if ckpt.spec.expert_storage == EXPERTS_MXFP4
+                  else ckpt.expert_format.describe() if ckpt.expert_format
                   else str(dtype).removeprefix("torch."))
     return CheckpointFacts(
         path=ckpt.path, architecture=ckpt.spec.model_type,

@@ -48,7 +48,6 @@ from mox.loaders.stream import StreamingReader
 from mox.models import load_model
 from mox.pager import ExpertPager, ModelPool
 from mox.pager.expert_loader import FROM_DISK, ExpertLoader, LoadResult
-from mox.pager.slot_pool import expert_nbytes
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
 VARIANTS = ("paging", "paging+pf", "whole-model", "lazy-mmap")
@@ -155,11 +154,8 @@ def run(variant: str, path: str, ids: list[int], budget: int) -> dict:
         # the pager over a loader that faults experts in from safetensors' mmap (not mox's
         # reader): the one variant built outside the router, to swap its loader
         ckpt, device = Checkpoint(path), torch.device("cpu")
-        spec = ckpt.spec
-        per_expert = expert_nbytes(spec.hidden_size, spec.moe_intermediate_size,
-                                   torch.bfloat16, spec.expert_bias)
         pool = ExpertPager(MmapExpertLoader()).add_model(ckpt.path, ckpt, torch.bfloat16,
-                                                         device, budget // per_expert)
+                                                         device, budget // ckpt.expert_nbytes)
         model = load_model(ckpt, torch.bfloat16, device, pool)
         first = lambda: int(model.forward(torch.tensor(ids), model.new_cache())[-1].argmax())
     else:

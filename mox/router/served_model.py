@@ -66,7 +66,7 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
 
 
 def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
-    return sum(math.prod(info.shape) * dtype.itemsize for info in ckpt.dense_tensors())
+    return ckpt.dense_numel() * dtype.itemsize
 
 
 def load_weights(model: ServedModel, dtype: torch.dtype, device: torch.device,

@@ -1,0 +1,163 @@
+"""Quantized experts against bf16 experts on the bench olmoe (8 layers x 64 experts of 3 MiB
+in bf16, top-4), each format imported as `mox models import --quantize` writes it (quantized,
+then repacked expert-major):
+
+  bytes      one expert as stored (weights + scales), and the share of bf16's
+  decode     tok/s at 1 and 8 sequences, every expert resident, bf16 activations; variants
+             alternate within each repeat, so the ratios to bf16 come from one run
+  cold TTFT  8- and 32-token prompts with the checkpoint evicted from the page cache
+             (posix_fadvise DONTNEED, mincore-checked), pool sized for every expert
+  agreement  the 8 demo models, experts int8 vs bf16: share of the first 32 greedy tokens
+             that are equal, and the largest logit difference at the prompt's last position
+
+    .venv/bin/python -m mox.bench.micro.quantized [--home DIR] [--repeats 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mox import LLM
+from mox.bench.micro.coldstart import evict, machine_load
+from mox.demo import default_home, ensure_demo_models
+from mox.kernels.quant import IMPORT_FORMATS
+from mox.loaders import Checkpoint
+from mox.loaders.quantize import quantize_checkpoint
+from mox.loaders.repack import repack_expert_major
+
+RESULTS = Path(__file__).parent.parent / "results" / "quantized.md"
+BF16 = "bf16"
+DECODE_TOKENS = 32
+BATCHES = (1, 8)
+COLD_LENGTHS = (8, 32)
+AGREEMENT_TOKENS = 32
+
+
+def imported(home: str, source: str, kind: str) -> str:
+    """`source` with its experts quantized to `kind`, expert-major (built once per home)."""
+    final = os.path.join(home, "quantized", f"{os.path.basename(source)}.{kind}")
+    if not os.path.exists(os.path.join(final, "config.json")):
+        with tempfile.TemporaryDirectory(dir=os.path.join(home)) as tmp:
+            quantize_checkpoint(source, os.path.join(tmp, "q"), IMPORT_FORMATS[kind])
+            repack_expert_major(os.path.join(tmp, "q"), final)
+    return final
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]]) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, max_tokens=DECODE_TOKENS, temperature=0.0,
+                        ignore_eos=True)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def cold_ttft(path: str, prompt: list[int]) -> float:
+    evict(path)
+    start = time.perf_counter()
+    llm = LLM(path, expert_memory=len(Checkpoint(path).experts) * Checkpoint(path).expert_nbytes)
+    llm.generate(prompt_token_ids=[prompt], max_tokens=1, temperature=0.0, ignore_eos=True)
+    return time.perf_counter() - start
+
+
+def agreement(home: str) -> list[dict]:
+    rows = []
+    for name, path in ensure_demo_models(home).items():
+        quantized = imported(home, path, "int8")
+        prompt = list(range(5, 21))
+        runs = {}
+        for label, p in ((BF16, path), ("int8", quantized)):
+            llm = LLM(p)
+            tokens = llm.generate(prompt_token_ids=[prompt], max_tokens=AGREEMENT_TOKENS,
+                                  temperature=0.0, ignore_eos=True)[0].token_ids
+            logits = llm.model.forward(torch.tensor(prompt), llm.model.new_cache())[-1].float()
+            runs[label] = (tokens, logits)
+        (base, base_logits), (quant, quant_logits) = runs[BF16], runs["int8"]
+        rows.append({"model": name, "equal": sum(a == b for a, b in zip(base, quant)) / len(base),
+                     "max_logit_diff": float((base_logits - quant_logits).abs().max()),
+                     "logit_range": float(base_logits.abs().max())})
+    return rows
+
+
+def measure(home: str, repeats: int) -> dict:
+    source = next(iter(ensure_demo_models(home, "bench", 0.0, ("olmoe",)).values()))
+    paths = {BF16: source, **{kind: imported(home, source, kind) for kind in IMPORT_FORMATS}}
+    sizes = {kind: Checkpoint(p).expert_nbytes for kind, p in paths.items()}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(32)] for _ in range(max(BATCHES))]
+    decode = {kind: {b: [] for b in BATCHES} for kind in paths}
+    cold = {kind: {n: [] for n in COLD_LENGTHS} for kind in paths}
+    loads = []
+    for repeat in range(repeats):
+        loads.append(machine_load())
+        for kind, path in paths.items():
+            llm = LLM(path)
+            decode_rate(llm, prompts[:1])                         # warm-up
+            for b in BATCHES:
+                decode[kind][b].append(decode_rate(llm, prompts[:b]))
+            del llm
+            for n in COLD_LENGTHS:
+                cold[kind][n].append(cold_ttft(path, prompts[0][:n]))
+        print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
+    return {"sizes": sizes, "decode": decode, "cold": cold, "loads": loads,
+            "agreement": agreement(home)}
+
+
+def _runs(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    return " / ".join(fmt.format(v * scale) for v in values)
+
+
+def markdown(r: dict, argv: list[str]) -> str:
+    lines = [f"# Quantized experts vs bf16 (bench olmoe)\n\n`python -m mox.bench.micro.quantized "
+             f"{' '.join(argv)}`, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, "
+             f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; before each "
+             f"repeat: {'; '.join(r['loads'])}. Each figure: the runs in order.\n",
+             "| experts | bytes / expert | of bf16 | " + " | ".join(
+                 f"decode tok/s @{b} | vs bf16 @{b}" for b in BATCHES) + " | " + " | ".join(
+                 f"cold TTFT {n} tok s | vs bf16" for n in COLD_LENGTHS) + " |",
+             "|---" * (3 + 2 * len(BATCHES) + 2 * len(COLD_LENGTHS)) + "|"]
+    base = r["sizes"][BF16]
+    for kind, size in r["sizes"].items():
+        cells = [kind, str(size), f"{size / base:.2f}"]
+        for b in BATCHES:
+            runs, ref = r["decode"][kind][b], r["decode"][BF16][b]
+            cells += [_runs(runs), _runs([v / w for v, w in zip(runs, ref)], fmt="{:.2f}x")]
+        for n in COLD_LENGTHS:
+            runs, ref = r["cold"][kind][n], r["cold"][BF16][n]
+            cells += [_runs(runs, fmt="{:.2f}"),
+                      _runs([v / w for v, w in zip(runs, ref)], fmt="{:.2f}x")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Agreement, int8 experts vs bf16 (demo models, greedy, 16-token prompt):", "",
+              "| model | first 32 tokens equal | max logit diff | max abs logit |",
+              "|---|---|---|---|"]
+    for a in r["agreement"]:
+        lines.append(f"| {a['model']} | {a['equal']:.0%} | {a['max_logit_diff']:.3f} | "
+                     f"{a['logit_range']:.2f} |")
+    shares = [a["equal"] for a in r["agreement"]]
+    lines.append(f"\nMean share equal {statistics.mean(shares):.0%}, lowest {min(shares):.0%}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--home", default=default_home())
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    result = measure(args.home, args.repeats)
+    Path(args.out).write_text(markdown(result, argv))
+    Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
+    print(Path(args.out).read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Quantized experts (mox.kernels.quant): the formats' round trip, and every MoE backend over
+quantized slot pools against the one reference (the fp32 definition over the dequantized
+weights), at odd shapes: T = 1 and 19, H and I not multiples of the block, experts absent
+from the slot map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox.kernels import ExpertScales, fused_moe, native, reference_fused_moe
+from mox.kernels.quant import (
+    FP8,
+    FP8_BLOCK128,
+    INT4_GROUP128,
+    INT8_PER_CHANNEL,
+    WeightFormat,
+    dequantize,
+    dequantize_experts,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from tests.kernels.problems import make_problem
+
+FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"), pytest.param(INT4_GROUP128, id="int4"),
+           pytest.param(FP8_BLOCK128, id="fp8-block"),
+           pytest.param(WeightFormat(FP8), id="fp8-channel")]
+# the largest error a value may carry, relative to its block's largest magnitude
+RELATIVE_STEP = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 2.0**-4}
+NATIVE = native.kernels()
+
+
+def _quantized_pool(w13: torch.Tensor, w2: torch.Tensor, fmt: WeightFormat):
+    """Slot pools as mox holds them: stored weights, scales `[S, 2, nb, kb]`, `[S, nb, kb]`."""
+    inter = w13.shape[1] // 2
+    parts = {"gate": [], "up": [], "down": []}
+    for slot in range(w13.shape[0]):
+        for name, weight in (("gate", w13[slot, :inter]), ("up", w13[slot, inter:]),
+                             ("down", w2[slot])):
+            parts[name].append(quantize(weight, fmt))
+    data13 = torch.stack([torch.cat((g[0], u[0])) for g, u in zip(parts["gate"], parts["up"])])
+    scale13 = torch.stack([torch.stack((g[1], u[1])) for g, u in zip(parts["gate"],
+                                                                        parts["up"])])
+    data2 = torch.stack([d[0] for d in parts["down"]])
+    scale2 = torch.stack([d[1] for d in parts["down"]])
+    return data13, data2, ExpertScales(fmt, scale13, scale2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows, cols", [(1, 2), (200, 72), (128, 256), (131, 390)])
+def test_round_trip_error_is_within_half_a_step(fmt, rows, cols):
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols))
+    data, scale = quantize(weight, fmt)
+    assert data.dtype == fmt.storage_dtype and data.shape == fmt.stored_shape(rows, cols)
+    assert tuple(scale.shape) == fmt.scale_shape(rows, cols)
+    values = dequantize(data, scale, fmt)
+    bound = weight.abs().max() * RELATIVE_STEP[fmt.kind] * 1.01
+    assert (values - weight).abs().max() <= bound
+    # one row's scale only bounds that row: a row of zeros stays zeros
+    zeros = torch.zeros(rows, cols)
+    assert torch.equal(dequantize(*quantize(zeros, fmt), fmt), zeros)
+
+
+def test_int4_packing_is_low_nibble_first_and_inverts():
+    values = torch.tensor([[-8, 7, 0, -1, 3, -5]], dtype=torch.int8)
+    packed = pack_int4(values)
+    assert packed.tolist() == [[0xF0, 0x78, 0x3B]]          # value + 8, first in the low nibble
+    assert torch.equal(unpack_int4(packed), values)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, dtype):
+    hidden, inter = (160, 72) if fmt.block_rows > 1 or fmt.block_cols else (96, 64)
+    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
+                                                     k=2, num_slots=10, dtype=torch.float32,
+                                                     seed=num_tokens, num_missing=2)
+    data13, data2, scales = _quantized_pool(w13, w2, fmt)
+    all_slots = torch.arange(w13.shape[0])
+    dq13, dq2 = dequantize_experts(data13, data2, scales, all_slots, torch.float32)
+    want = reference_fused_moe(x.to(dtype), dq13, dq2, weights, ids, slot_of).float()
+    got = fused_moe(x.to(dtype), data13, data2, weights, ids, slot_of, scales=scales,
+                    out_dtype=torch.float32)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2,
+                                                                               atol=3e-2)
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.skipif(NATIVE is None or not NATIVE.fast, reason="no AVX512-BF16 native kernels")
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_int8_decode_takes_the_native_kernel_and_matches(num_tokens, monkeypatch):
+    hidden, inter = 128, 96
+    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
+                                                     k=2, num_slots=8, dtype=torch.float32,
+                                                     seed=3, num_missing=1)
+    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(8), torch.float32)
+    want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
+    calls = []
+    original = NATIVE.moe_silu
+    monkeypatch.setattr(NATIVE, "moe_silu", lambda *a, **kw: calls.append(1) or original(
+        *a, **kw))
+    got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
+                    out_dtype=torch.float32)
+    assert calls, "int8 decode did not take the native kernel"
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
+    NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX512-BF16"))])
+def test_native_int8_experts_match_the_dequantized_definition(fast):
+    hidden, inter, counts, slots = 64, 96, [2, 1, 9], [4, 0, 2]
+    x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
+    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    num_rows = sum(counts)
+    rows = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
+    row_weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(5))
+    starts = [0, 2, 3]
+    scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
+                                                             dtype=torch.bfloat16),
+               torch.empty(num_rows, hidden)]
+    got = NATIVE.moe_silu(rows, data13, data2, [torch.tensor(v) for v in (slots, starts,
+                                                                          counts)],
+                          row_weights, scratch, fast=fast, scales=(scales.w13, scales.w2))
+    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
+    slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
+    gate_up = torch.einsum("ph,pnh->pn", rows.float(), dq13[slot_of_row])
+    act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).bfloat16()
+    want = torch.einsum("pi,phi->ph", act.float(), dq2[slot_of_row]) * row_weights[:, None]
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_the_triton_backend_refuses_quantized_pools():
+    x, w13, w2, weights, ids, slot_of = make_problem(2, 64, 32, 4, 2, 4, torch.float32)
+    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    with pytest.raises(ValueError, match="quantized"):
+        fused_moe(x, data13, data2, weights, ids, slot_of, backend="triton", scales=scales)

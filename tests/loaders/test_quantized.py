@@ -1,0 +1,125 @@
+"""Quantized checkpoints in their published layouts (compressed-tensors int8 / int4 / FP8,
+DeepSeek-V3 FP8 blocks), written here from the formats' definitions: they load, page and
+generate exactly as a plain checkpoint holding their dequantized weights; bad ones fail
+naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from mox import LLM
+from mox.kernels.quant import FP8, FP8_BLOCK128, INT4_GROUP128, INT8_PER_CHANNEL, WeightFormat
+from mox.kernels.quant import dequantize as dequantize_values
+from mox.loaders import Checkpoint, CheckpointError
+from mox.loaders.quantize import ALL_LINEARS, EXPERTS, quantize_checkpoint
+from mox.loaders.stream import read_tensor
+from mox.model_import import check_quantized
+
+NUM_TOKENS = 10
+LAYOUTS = [pytest.param("olmoe", INT8_PER_CHANNEL, EXPERTS, id="olmoe-int8-compressed"),
+           pytest.param("mixtral", INT4_GROUP128, EXPERTS, id="mixtral-int4-packed"),
+           pytest.param("qwen3_moe", WeightFormat(FP8), EXPERTS, id="qwen3-fp8-channel"),
+           pytest.param("deepseek_v3", FP8_BLOCK128, ALL_LINEARS, id="deepseek-fp8-block")]
+
+
+def dequantized_copy(quantized: str, dst: str) -> str:
+    """The plain fp32 checkpoint holding what `quantized` stores: the reference model."""
+    ckpt = Checkpoint(quantized)
+    tensors = {}
+    for name, weight in ckpt.stored.items():
+        data = read_tensor(weight.data)
+        tensors[name] = (data if weight.fmt is None else
+                         dequantize_values(data, read_tensor(weight.scale), weight.fmt))
+    os.makedirs(dst)
+    save_file({n: t.float().contiguous() for n, t in tensors.items()},
+              os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(quantized, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def greedy(llm: LLM) -> list[int]:
+    prompt = list(range(3, 19))
+    return llm.generate(prompt_token_ids=[prompt], max_tokens=NUM_TOKENS, temperature=0.0,
+                        ignore_eos=True)[0].token_ids
+
+
+@pytest.mark.parametrize("case, fmt, linears", LAYOUTS)
+def test_a_published_layout_generates_as_its_dequantized_weights(hf_checkpoints, tmp_path,
+                                                                  case, fmt, linears):
+    quantized = quantize_checkpoint(hf_checkpoints[case][0], str(tmp_path / "q"), fmt, linears)
+    ckpt = Checkpoint(quantized)
+    assert ckpt.expert_format == fmt
+    reference = dequantized_copy(quantized, str(tmp_path / "reference"))
+    expected = greedy(LLM(reference, dtype="float32"))
+    llm = LLM(quantized, dtype="float32")
+    assert greedy(llm) == expected
+    expert_bytes = llm.pager_stats()["expert_bytes"]
+    assert expert_bytes == ckpt.expert_nbytes         # the pool holds experts as stored
+    plain = LLM(reference, dtype="float32", expert_memory="1GiB").pager_stats()["expert_bytes"]
+    assert expert_bytes < plain / 2
+    top_k = ckpt.spec.top_k                           # paged through a pool of top_k + 1
+    paged = LLM(quantized, dtype="float32", expert_memory=(top_k + 1) * expert_bytes)
+    assert greedy(paged) == expected
+    stats = paged.pager_stats()
+    assert stats["misses"] > 0 and stats["evictions"] > 0
+    paged.pool.check_integrity()
+
+
+@pytest.fixture()
+def int8_copy(hf_checkpoints, tmp_path):
+    return quantize_checkpoint(hf_checkpoints["olmoe"][0], str(tmp_path / "q"),
+                               INT8_PER_CHANNEL)
+
+
+SCALE = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
+
+
+def _rewrite(folder: str, change) -> str:
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+    return path
+
+
+def test_a_scale_of_the_wrong_shape_names_its_file_and_tensor(int8_copy):
+    path = _rewrite(int8_copy, lambda t: t.update({SCALE: t[SCALE][:-1]}))
+    with pytest.raises(CheckpointError, match=rf"{path}.*{SCALE}.*needs float\[\d+, 1\]"):
+        Checkpoint(int8_copy)
+
+
+def test_a_missing_scale_names_its_weight(int8_copy):
+    path = _rewrite(int8_copy, lambda t: t.pop(SCALE))
+    with pytest.raises(CheckpointError, match=rf"{path}.*up_proj.weight'.* no scale tensor"):
+        Checkpoint(int8_copy)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_bits": 3}, "num_bits 3"),
+    ({"strategy": "tensor"}, "strategy 'tensor'"),
+    ({"symmetric": False}, "asymmetric")])
+def test_an_unsupported_scheme_is_refused(int8_copy, change, message):
+    path = os.path.join(int8_copy, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(CheckpointError, match=rf"config\.json.*{message}"):
+        Checkpoint(int8_copy)
+
+
+def test_the_import_check_catches_a_changed_byte(hf_checkpoints, int8_copy):
+    check_quantized(hf_checkpoints["olmoe"][0], int8_copy)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    _rewrite(int8_copy, lambda t: t[name].view(-1)[7].add_(1))
+    with pytest.raises(CheckpointError, match="down_proj.weight"):
+        check_quantized(hf_checkpoints["olmoe"][0], int8_copy)
