@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import SILU, Activation
-from .quant import INT8_PER_CHANNEL, ExpertScales, dequantize_experts
+from .quant import ExpertScales, dequantize_experts
 
 NOT_RESIDENT = -1
 SILU_ACTIVATION = Activation(SILU)
@@ -67,15 +67,14 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """`out_dtype` (default x's): float32 keeps the fp32 sum unrounded, for a caller that
     adds several calls (waves) and must round once to get the same result as one call.
     `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
-    routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per output
-    row goes through the native kernel for decode, everything else is dequantized first."""
+    routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per channel
+    and int4 per group go through the native kernel for decode, the rest is dequantized
+    first."""
     out_dtype = out_dtype or x.dtype
     experts = _Experts(w13, w2, activation, b13, b2, scales)
     ws = workspace or MoEWorkspace()
-    per_row = scales is not None and scales.fmt == INT8_PER_CHANNEL
     native_experts = (not experts.has_bias and activation.kind == SILU
-                      and (scales is None or per_row)
-                      and native.takes_experts(x, w13, w2, per_row_scales=per_row))
+                      and native.takes_experts(x, w13, w2, scales))
     if scales is not None and not native_experts:
         return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
     if topk_ids.shape[0] == 1:
@@ -84,7 +83,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             return _native_one_token(x, experts, topk_weights[0], slots, ws).to(out_dtype)
         return _one_token(x, experts, topk_weights, slots).to(out_dtype)
     num_tokens, k = topk_ids.shape
-    num_slots, hidden, inter = w2.shape
+    num_slots, hidden = w2.shape[:2]
     slots = slot_of[topk_ids.long()].reshape(-1)                          # [P]
     order = torch.argsort(slots, stable=True)                             # [P] NOT_RESIDENT first
     counts = torch.bincount(slots + 1, minlength=num_slots + 1)           # [S+1], [0]: absent
@@ -137,7 +136,7 @@ class _Experts:
 
     @property
     def inter(self) -> int:
-        return self.w2.shape[2]
+        return self.w13.shape[1] // 2        # (w2's last dim is stored: I / 2 for int4)
 
 
 def _one_token(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
@@ -203,9 +202,8 @@ def _native_experts(rows: torch.Tensor, experts: _Experts, active: list[int],
     scratch = [ws.get("gate_up", num_rows, 2 * inter, torch.float32, rows.device),
                ws.get("act", num_rows, inter, torch.bfloat16, rows.device),
                ws.get("contrib", num_rows, hidden, torch.float32, rows.device)]
-    scales = None if experts.scales is None else (experts.scales.w13, experts.scales.w2)
     return native.kernels().moe_silu(rows, experts.w13, experts.w2, runs, row_weights, scratch,
-                                     scales=scales)
+                                     scales=experts.scales)
 
 
 def _mv(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The CPU decode kernels of `csrc/` (bf16_gemv.c, decode_attention.c, rms_norm.c), built at
+"""The CPU decode kernels of `csrc/` (bf16_gemv.c, moe_experts.c, decode_attention.c,
+rms_norm.c), built at
 first use and called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
 (bench/results/read_rate.md). `gemv_bf16(x, w)` reads `w` in place at the full rate;
-`moe_silu` reads a MoE layer's experts so, bf16 or int8 (half the bytes).
+`moe_silu` reads a MoE layer's experts so, bf16, int8 or int4 (a half or a quarter of the
+bytes).
 
 The shared library is compiled with the system C compiler into a per-user cache, keyed by the
 sources' hash; without a compiler or a writable cache, on a CPU without AVX512-BF16, or with
@@ -25,6 +27,8 @@ import subprocess
 import tempfile
 
 import torch
+
+from .quant import INT4, INT8, ExpertScales
 
 log = logging.getLogger("mox.kernels")
 
@@ -92,13 +96,13 @@ class NativeKernels:
                         + [ctypes.c_int])
         moe.restype = ctypes.c_int
         self._moe = moe
-        moe8 = self._lib.mox_moe_silu_int8
-        moe8.argtypes = ([ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_int64] * 4
-                         + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                         + [ctypes.c_int])
-        moe8.restype = ctypes.c_int
-        self._moe8 = moe8
+        moe_q = self._lib.mox_moe_silu_quantized
+        moe_q.argtypes = ([ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_int64] * 4
+                          + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64,
+                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                          + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+        moe_q.restype = ctypes.c_int
+        self._moe_quantized = moe_q
         attend = self._lib.mox_decode_attention_bf16
         attend.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                            + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
@@ -139,26 +143,30 @@ class NativeKernels:
     def moe_silu(self, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  runs: list[torch.Tensor], row_weights: torch.Tensor,
                  scratch: list[torch.Tensor], fast: bool = True,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scales: ExpertScales | None = None) -> torch.Tensor:
         """SiLU-gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
-        `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or int8 with `scales`:
-        float32 per output row, `[S, 2I]` and `[S, H]` (any trailing unit dims); `runs`:
+        `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or stored as `scales`
+        says (int8 per channel; int4 in groups, which permutes `rows` in place); `runs`:
         three int64 `[A]` tensors, the slot, first row and number of rows of each active
         slot; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16
         and the result `[P, H]` f32, each row scaled by its routing weight, which is
         returned."""
         num_rows, hidden = rows.shape
-        inter = w2.shape[2]
+        inter = w13.shape[1] // 2
         slots, starts, counts = (r.to(torch.int64).contiguous() for r in runs)
         row_weights = row_weights.to(torch.float32).contiguous()
         gate_up, act, down = scratch
         for t in (rows, w13, w2, gate_up, act, down):
             if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
                 raise ValueError("moe_silu takes tensors contiguous per slot and per row")
-        weight_dtype = torch.bfloat16 if scales is None else torch.int8
+        if (gate_up.shape != (num_rows, 2 * inter) or act.shape != (num_rows, inter)
+                or down.shape != (num_rows, hidden) or w2.shape[1] != hidden):
+            raise ValueError("moe_silu's scratch and pools disagree with its rows' shape")
+        weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
         if rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or (
-                w2.dtype != weight_dtype):
-            raise ValueError(f"moe_silu takes bf16 rows and {weight_dtype} weights")
+                w2.dtype != weight_dtype) or not _native_format(scales):
+            raise ValueError(f"moe_silu takes bf16 rows and bf16, int8 per channel or int4 "
+                             f"group-wise weights, got {w13.dtype}")
         tail = (slots.data_ptr(), starts.data_ptr(), counts.data_ptr(), slots.shape[0],
                 row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(), act.data_ptr(),
                 down.data_ptr(), int(fast))
@@ -166,14 +174,14 @@ class NativeKernels:
             status = self._moe(rows.data_ptr(), w13.data_ptr(), w13.stride(0), w2.data_ptr(),
                                w2.stride(0), *tail)
         else:
-            s13, s2 = scales
-            if (s13.dtype != torch.float32 or s2.dtype != torch.float32
-                    or s13[0].numel() != 2 * inter or s2[0].numel() != hidden
-                    or not s13[0].is_contiguous() or not s2[0].is_contiguous()):
-                raise ValueError("moe_silu takes one float32 scale per output row")
-            status = self._moe8(rows.data_ptr(), w13.data_ptr(), w13.stride(0),
-                                s13.data_ptr(), s13.stride(0), w2.data_ptr(), w2.stride(0),
-                                s2.data_ptr(), s2.stride(0), *tail)
+            s13, s2 = scales.w13, scales.w2
+            if s13.dtype != torch.float32 or s2.dtype != torch.float32 or not (
+                    s13[0].is_contiguous() and s2[0].is_contiguous()):
+                raise ValueError("moe_silu takes float32 scales contiguous per slot")
+            status = self._moe_quantized(
+                rows.data_ptr(), w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
+                w2.data_ptr(), w2.stride(0), s2.data_ptr(), s2.stride(0),
+                scales.fmt.block_cols, *tail)
         if status != 0:
             raise ValueError(f"moe_silu refused H={hidden} I={inter} fast={fast}")
         return down
@@ -253,14 +261,24 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.stride(1) == 1 and w.stride(1) == 1)
 
 
+def _native_format(scales: ExpertScales | None) -> bool:
+    """bf16 (no scales), int8 per output row, or int4 in groups of a multiple of 32."""
+    if scales is None:
+        return True
+    fmt = scales.fmt
+    return fmt.block_rows == 1 and (
+        (fmt.kind == INT8 and fmt.block_cols == 0)
+        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % K_MULTIPLE == 0))
+
+
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  per_row_scales: bool = False) -> bool:
-    """Whether `moe_silu`'s fast path serves these experts here: bf16 weights, or int8 ones
-    with one scale per output row (`per_row_scales`)."""
-    weight_dtype = torch.int8 if per_row_scales else torch.bfloat16
+                  scales: ExpertScales | None = None) -> bool:
+    """Whether `moe_silu`'s fast path serves these experts here."""
+    hidden, inter = rows.shape[1], w13.shape[1] // 2
+    group = 0 if scales is None else scales.fmt.block_cols
     return (_fast() and rows.device.type == "cpu" and rows.dtype == torch.bfloat16
-            and w13.dtype == w2.dtype == weight_dtype
-            and rows.shape[1] % K_MULTIPLE == 0 and w2.shape[2] % K_MULTIPLE == 0)
+            and _native_format(scales) and hidden % K_MULTIPLE == 0
+            and inter % K_MULTIPLE == 0 and (group == 0 or hidden % group + inter % group == 0))
 
 
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -88,14 +88,20 @@ def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, d
     torch.testing.assert_close(got, want, **tolerance)
 
 
+NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
+                  pytest.param(INT4_GROUP128, id="int4-g128"),
+                  pytest.param(WeightFormat("int4", 1, 32), id="int4-g32")]
+
+
 @pytest.mark.skipif(NATIVE is None or not NATIVE.fast, reason="no AVX512-BF16 native kernels")
+@pytest.mark.parametrize("fmt", NATIVE_FORMATS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])
-def test_int8_decode_takes_the_native_kernel_and_matches(num_tokens, monkeypatch):
-    hidden, inter = 128, 96
+def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, monkeypatch):
+    hidden, inter = 256, 128
     x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
                                                      k=2, num_slots=8, dtype=torch.float32,
                                                      seed=3, num_missing=1)
-    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    data13, data2, scales = _quantized_pool(w13, w2, fmt)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(8), torch.float32)
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
     calls = []
@@ -104,17 +110,19 @@ def test_int8_decode_takes_the_native_kernel_and_matches(num_tokens, monkeypatch
         *a, **kw))
     got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
                     out_dtype=torch.float32)
-    assert calls, "int8 decode did not take the native kernel"
+    assert calls, "quantized decode did not take the native kernel"
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
+@pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
+                                 pytest.param(WeightFormat("int4", 1, 32), id="int4-g32")])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
     NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX512-BF16"))])
-def test_native_int8_experts_match_the_dequantized_definition(fast):
+def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     hidden, inter, counts, slots = 64, 96, [2, 1, 9], [4, 0, 2]
     x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
-    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    data13, data2, scales = _quantized_pool(w13, w2, fmt)
     num_rows = sum(counts)
     rows = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
     row_weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(5))
@@ -122,9 +130,9 @@ def test_native_int8_experts_match_the_dequantized_definition(fast):
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
-    got = NATIVE.moe_silu(rows, data13, data2, [torch.tensor(v) for v in (slots, starts,
-                                                                          counts)],
-                          row_weights, scratch, fast=fast, scales=(scales.w13, scales.w2))
+    got = NATIVE.moe_silu(rows.clone(), data13, data2,      # int4 permutes its rows
+                          [torch.tensor(v) for v in (slots, starts, counts)], row_weights,
+                          scratch, fast=fast, scales=scales)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
     gate_up = torch.einsum("ph,pnh->pn", rows.float(), dq13[slot_of_row])
