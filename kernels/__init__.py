@@ -8,8 +8,8 @@
 slot, or NOT_RESIDENT); a token routed to a non-resident expert gets nothing from it.
 `activation`: "silu" or "clamped_swiglu" (GPT-OSS, with `swiglu_alpha`, `swiglu_limit`);
 `b13`, `b2`: per-slot expert biases (GPT-OSS). `scales`: w13 and w2 stored quantized (int8,
-int4, FP8; `mox.kernels.quant`). The Triton path runs "silu" over bf16 weights without biases;
-`backend="auto"` takes the torch path for the rest, `backend="triton"` refuses it.
+int4, FP8; `mox.kernels.quant`). The Triton path runs "silu" without biases; `backend="auto"`
+takes the torch path for the rest, `backend="triton"` refuses it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """`workspace` (torch path only) keeps buffers across calls; pass one per caller.
     `out_dtype` (default x's): float32 returns the sum before rounding (the torch path; the
     Triton path rounds to x's dtype in its epilogue, then converts). `scales`: w13 and w2
-    are stored quantized (mox.kernels.quant; the torch path)."""
+    are stored quantized (mox.kernels.quant)."""
     num_tokens, hidden = x.shape
     num_slots, two_inter = w13.shape[:2]
     stored = scales.fmt.stored_shape if scales is not None else lambda rows, cols: (rows, cols)
@@ -56,15 +56,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     assert b13 is None or (b13.shape == (num_slots, two_inter) and b2.shape == (num_slots, hidden))
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
-    triton_can = activation == SILU and b13 is None and scales is None
+    triton_can = activation == SILU and b13 is None
     if backend == "triton" and not triton_can:
-        raise ValueError(f"the Triton MoE path runs activation 'silu' without expert biases "
-                         f"over bf16 weights; got {activation!r}"
-                         f"{' with biases' if b13 is not None else ''}"
-                         f"{' quantized' if scales is not None else ''}: "
+        raise ValueError(f"the Triton MoE path runs activation 'silu' without expert biases; "
+                         f"got {activation!r}{' with biases' if b13 is not None else ''}: "
                          f"use backend='torch' (or 'auto')")
     if backend == "triton" or (backend == "auto" and x.is_cuda and triton_can):
-        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of)
+        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of, scales=scales)
         return out if out_dtype is None else out.to(out_dtype)
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, workspace, out_dtype,
                            act, b13, b2, scales)

@@ -11,6 +11,8 @@ Design (as vLLM's and SGLang's fused_moe):
    halves as two accumulators), store SiLU(gate) * up: the [P, 2I] product never exists.
 3. down: multiply by w2[slot], scale by the routing weight, store one row per pair; the k rows
    of a token are summed afterwards (deterministic, unlike atomics).
+Quantized pools (int8, int4, FP8; mox.kernels.quant) are dequantized tile by tile inside the K
+loops (each value times its block's scale), so only stored bytes cross memory.
 fp32 accumulation; pair, token and slot offsets are int64, because int32 offsets overflow
 once P * H passes 2^31 (vLLM #5938). Under TRITON_INTERPRET=1, UPCAST loads fp32: the
 interpreter's bf16 arithmetic is silently wrong.
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .moe_config import MoEKernelConfig, get_config
+from .quant import INT4, ExpertScales
 
 
 def is_interpreter() -> bool:
@@ -83,11 +86,34 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, num_padded_ptr,
-                    num_pairs, num_m_blocks, hidden, inter, top_k,
+def _weight_tile(w_ptr, s_ptr, offs_n, k, mask, stride_wn, stride_wk, stride_sn, stride_sk,
+                 block_rows, block_cols, DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                 INT4: tl.constexpr):
+    """The `[BK, BN]` tile of weight rows `offs_n` at inputs `k`, in DTYPE: loaded as is, or
+    dequantized here, inside the K loop (int8, FP8, int4 unpacked from its nibbles, times the
+    scale of each value's block: `block_cols` is the row length for per-channel scales)."""
+    if INT4:
+        packed = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k // 2)[:, None] * stride_wk,
+                         mask=mask, other=0)
+        w = (((packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 15) - 8).to(tl.float32)
+    else:
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk, mask=mask,
+                    other=0.0)
+    if QUANT:
+        scale = tl.load(s_ptr + (offs_n // block_rows)[None, :] * stride_sn
+                        + (k // block_cols)[:, None] * stride_sk, mask=mask, other=0.0)
+        w = w.to(tl.float32) * scale
+    return w.to(DTYPE)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr,
+                    num_padded_ptr, num_pairs, num_m_blocks, hidden, inter, top_k,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_op, stride_oi,
+                    stride_ss, stride_sg, stride_sn, stride_sk, block_rows, block_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+                    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+                    QUANT: tl.constexpr, INT4: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -98,18 +124,23 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, n
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    g_ptrs = w13_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-    u_ptrs = g_ptrs + inter * stride_wn
+    gate_ptr = w13_ptr + slot * stride_ws
+    up_ptr = gate_ptr + inter * stride_wn
+    gate_scale = s13_ptr + slot * stride_ss                   # [2, nb, kb]: gate's, up's
+    up_scale = gate_scale + stride_sg
     n_ok = offs_n < inter
+    dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(hidden, BLOCK_K)):
-        k_ok = offs_k < hidden - step * BLOCK_K
-        a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        k = step * BLOCK_K + offs_k
+        k_ok = k < hidden
+        mask = k_ok[:, None] & n_ok[None, :]
+        a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0).to(dtype)
+        g = _weight_tile(gate_ptr, gate_scale, offs_n, k, mask, stride_wn, stride_wh,
+                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, INT4)
+        u = _weight_tile(up_ptr, up_scale, offs_n, k, mask, stride_wn, stride_wh,
+                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, INT4)
         if IEEE_DOT:
             acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
@@ -117,19 +148,19 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr, n
             acc_gate = tl.dot(a, g, acc_gate)
             acc_up = tl.dot(a, u, acc_up)
         a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up                         # SiLU(gate) * up
     out_ptrs = out_ptr + pair[:, None] * stride_op + offs_n[None, :] * stride_oi
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-                 num_padded_ptr, num_pairs, num_m_blocks, hidden, inter,
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
+                 block_slot_ptr, num_padded_ptr, num_pairs, num_m_blocks, hidden, inter,
                  stride_ap, stride_ai, stride_ws, stride_wh, stride_wi, stride_op, stride_oh,
+                 stride_ss, stride_sn, stride_sk, block_rows, block_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+                 GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+                 QUANT: tl.constexpr, INT4: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -139,21 +170,22 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_ap + offs_k[None, :] * stride_ai
-    b_ptrs = w2_ptr + slot * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi
+    w_ptr, scale_ptr = w2_ptr + slot * stride_ws, s2_ptr + slot * stride_ss
     n_ok = offs_n < hidden
+    dtype = tl.float32 if UPCAST else act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(inter, BLOCK_K)):
-        k_ok = offs_k < inter - step * BLOCK_K
-        a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
+        k = step * BLOCK_K + offs_k
+        k_ok = k < inter
+        a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0).to(dtype)
+        b = _weight_tile(w_ptr, scale_ptr, offs_n, k, k_ok[:, None] & n_ok[None, :],
+                         stride_wh, stride_wi, stride_sn, stride_sk, block_rows, block_cols,
+                         dtype, QUANT, INT4)
         if IEEE_DOT:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ai
-        b_ptrs += BLOCK_K * stride_wi
     routing_weight = tl.load(weights_ptr + pair, mask=is_pair, other=0.0)   # f32
     acc = acc * routing_weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * stride_op + offs_n[None, :] * stride_oh
@@ -162,11 +194,15 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
-                     config: MoEKernelConfig | None = None) -> torch.Tensor:
-    """Launcher: checks layouts, aligns pairs, runs both grouped GEMMs, sums the k rows."""
+                     config: MoEKernelConfig | None = None,
+                     scales: ExpertScales | None = None) -> torch.Tensor:
+    """Launcher: checks layouts, aligns pairs, runs both grouped GEMMs, sums the k rows.
+    `scales`: w13 and w2 are stored quantized (mox.kernels.quant), dequantized tile by tile
+    inside the K loops."""
     num_tokens, top_k = topk_ids.shape
-    num_slots, hidden, inter = w2.shape
-    assert x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype, w2.dtype)
+    num_slots, hidden = w2.shape[:2]
+    inter = w13.shape[1] // 2
+    assert scales is not None or x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "need row-major rows"
     assert x.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
     if config is None:
@@ -177,18 +213,27 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_m_blocks = aligned.block_slot.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)          # [P, I]
     pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    fmt = None if scales is None else scales.fmt
     flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  GROUP_M=config.group_m, UPCAST=is_interpreter(),
-                 IEEE_DOT=x.dtype == torch.float32, num_warps=config.num_warps,
+                 IEEE_DOT=x.dtype == torch.float32, QUANT=fmt is not None,
+                 INT4=fmt is not None and fmt.kind == INT4, num_warps=config.num_warps,
                  num_stages=config.num_stages)
+    s13 = w13 if scales is None else scales.w13           # (unread without QUANT)
+    s13_strides = (0, 0, 0, 0) if scales is None else s13.stride()
+    rows = 1 if fmt is None else fmt.block_rows
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
-        x, w13, act, aligned.sorted_pairs, aligned.block_slot, aligned.num_padded,
+        x, w13, s13, act, aligned.sorted_pairs, aligned.block_slot, aligned.num_padded,
         num_pairs, num_m_blocks, hidden, inter, top_k,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), act.stride(1), **flags)
+        act.stride(0), act.stride(1), *s13_strides, rows,
+        hidden if fmt is None or fmt.block_cols == 0 else fmt.block_cols, **flags)
+    s2 = w2 if scales is None else scales.w2
+    s2_strides = (0, 0, 0) if scales is None else s2.stride()
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, config.block_n),)](
-        act, w2, pair_out, topk_weights.reshape(-1), aligned.sorted_pairs, aligned.block_slot,
-        aligned.num_padded, num_pairs, num_m_blocks, hidden, inter,
+        act, w2, s2, pair_out, topk_weights.reshape(-1), aligned.sorted_pairs,
+        aligned.block_slot, aligned.num_padded, num_pairs, num_m_blocks, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        pair_out.stride(0), pair_out.stride(1), **flags)
+        pair_out.stride(0), pair_out.stride(1), *s2_strides, rows,
+        inter if fmt is None or fmt.block_cols == 0 else fmt.block_cols, **flags)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)          # [T, H]

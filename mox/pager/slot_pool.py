@@ -1,5 +1,6 @@
 """One model's expert slot pool: `w13 [S, 2I, H]`, `w2 [S, H, I]` (and the biases `b13 [S, 2I]`,
-`b2 [S, H]` of models whose experts have them) on the compute device, any slot able to hold
+`b2 [S, H]` of models whose experts have them; quantized experts as stored, with their scales)
+on the compute device, any slot able to hold
 any (MoE layer, expert), and the residency table `slot_of [L, E]` that the fused kernel reads
 weights through (NOT_RESIDENT where an expert has no slot).
 
@@ -19,7 +20,6 @@ Legend: L MoE layers, E experts per layer, S slots, H hidden, I intermediate.
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,7 @@ from mox.loaders.experts import (
     UP_SCALE,
 )
 from mox.pager.eviction import ExpertKey
+from mox.pager.mapped import MappedTensor
 
 
 @dataclass
@@ -55,25 +56,6 @@ class Slot:
         return self.key is not None and self.pins == 0 and not self.loading
 
 
-class _Mapped:
-    """A CPU tensor over its own anonymous mapping: pages are backed on first write and can
-    be handed back (they read as zeros after)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        nbytes = max(1, dtype.itemsize * int(torch.Size(shape).numel()))
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                              | getattr(mmap, "MAP_NORESERVE", 0))
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8).view(dtype).view(shape)
-        self.row_nbytes = nbytes // shape[0]
-
-    def release_rows(self, start: int, end: int) -> None:
-        """Give back the whole pages inside rows [start, end)."""
-        first = -(-start * self.row_nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = end * self.row_nbytes // mmap.PAGESIZE * mmap.PAGESIZE
-        if last > first:
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
 class SlotPool:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int,
                  dtype: torch.dtype, device: torch.device, num_slots: int,
@@ -87,9 +69,9 @@ class SlotPool:
                                   device=device)                          # [L, E]
         self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
         self.target_slots = num_slots
-        self._mapped: list[_Mapped] | None = None
+        self._mapped: list[MappedTensor] | None = None
         if device.type == "cpu":                 # sized for every expert the model has
-            self._mapped = [_Mapped(shape, part_dtype) for shape, part_dtype
+            self._mapped = [MappedTensor(shape, part_dtype) for shape, part_dtype
                             in self._part_shapes(num_layers * num_experts)]
         self._allocate(num_slots)
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mox.kernels import ExpertScales, fused_moe, native, reference_fused_moe
+from mox.kernels import (
+    ExpertScales,
+    MoEKernelConfig,
+    fused_moe,
+    fused_moe_triton,
+    native,
+    reference_fused_moe,
+)
 from mox.kernels.quant import (
     FP8,
     FP8_BLOCK128,
@@ -29,6 +36,7 @@ FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"), pytest.param(INT4_GROUP128
 # the largest error a value may carry, relative to its block's largest magnitude
 RELATIVE_STEP = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 2.0**-4}
 NATIVE = native.kernels()
+SMALL_TILES = MoEKernelConfig(block_m=16, block_n=32, block_k=32)     # several K steps a block
 
 
 def _quantized_pool(w13: torch.Tensor, w2: torch.Tensor, fmt: WeightFormat):
@@ -141,8 +149,24 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
 
 
-def test_the_triton_backend_refuses_quantized_pools():
-    x, w13, w2, weights, ids, slot_of = make_problem(2, 64, 32, 4, 2, 4, torch.float32)
-    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
-    with pytest.raises(ValueError, match="quantized"):
-        fused_moe(x, data13, data2, weights, ids, slot_of, backend="triton", scales=scales)
+@pytest.mark.parametrize("fmt", FORMATS + [pytest.param(WeightFormat("int4", 1, 32),
+                                                         id="int4-g32")])
+@pytest.mark.parametrize("num_tokens", [1, 19])
+def test_triton_dequantizes_inside_the_k_loop(fmt, num_tokens, monkeypatch):
+    """The Triton kernels over quantized pools (TRITON_INTERPRET=1 without a GPU): H and I
+    cross block edges, tiles smaller than the scale blocks."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hidden, inter = 160, 72
+    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
+                                                     k=2, num_slots=10, dtype=torch.float32,
+                                                     seed=5, num_missing=2)
+    data13, data2, scales = _quantized_pool(w13, w2, fmt)
+    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(10), torch.float32)
+    want = reference_fused_moe(x, dq13, dq2, weights, ids, slot_of)
+    on = lambda t: t.to(device)
+    got = fused_moe_triton(on(x), on(data13), on(data2), on(weights), on(ids), on(slot_of),
+                           config=SMALL_TILES,
+                           scales=ExpertScales(fmt, on(scales.w13), on(scales.w2)))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
