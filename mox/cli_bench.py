@@ -64,7 +64,7 @@ def bench_config(args: argparse.Namespace):
         slo=SLO(ttft, tpot), trace=args.trace, trace_speedup=args.trace_speedup,
         seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
         scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
-        home=args.home, out=args.out)
+        home=args.home, out=args.out, quantize=args.quantize)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -118,4 +118,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--home", help="where the models are built (default MOX_HOME)")
     bench.add_argument("--host-memory", help="RAM cache of expert bytes per server (off)")
     bench.add_argument("--kv-memory", default="512MiB")
+    bench.add_argument("--quantize", choices=("int8", "int4", "fp8"),
+                       help="serve the models with their experts quantized (built once under "
+                            "--home); the budget stays the bf16 models'")
     bench.set_defaults(func=_bench)

@@ -20,8 +20,11 @@ import numpy as np
 import torch
 
 from mox.demo_tokenizer import EOS, build_tokenizer, write_tokenizer
+from mox.kernels.quant import IMPORT_FORMATS
 from mox.loaders import parse_config
 from mox.loaders.layout import expected_tensors
+from mox.loaders.quantize import quantize_checkpoint
+from mox.loaders.repack import repack_expert_major
 from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
@@ -281,3 +284,18 @@ def ensure_demo_models(home: str | None = None, preset: str = "demo",
                                  routing_skew=routing_skew, max_shard_bytes=shard)
             paths[name] = path
     return paths
+
+
+def ensure_quantized(home: str | None, source: str, kind: str) -> str:
+    """`source` (a built checkpoint) with its experts quantized to `kind` (int8 | int4 | fp8)
+    and repacked expert-major, as `mox models import --quantize` writes it; built once under
+    `home`/quantized."""
+    home = home or default_home()
+    final = os.path.join(home, "quantized", f"{os.path.basename(source)}.{kind}")
+    if not os.path.exists(os.path.join(final, "config.json")):
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(final)) as tmp:
+            quantize_checkpoint(source, os.path.join(tmp, "quantized"), IMPORT_FORMATS[kind])
+            repack_expert_major(os.path.join(tmp, "quantized"), os.path.join(tmp, "out"))
+            os.replace(os.path.join(tmp, "out"), final)
+    return final

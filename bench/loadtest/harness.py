@@ -37,7 +37,7 @@ from mox.bench.loadtest.workload import (
     SyntheticWorkload,
     TraceWorkload,
 )
-from mox.demo import ensure_demo_models
+from mox.demo import ensure_demo_models, ensure_quantized
 from mox.loaders.page_cache import evict
 from mox.registry import Registry, validate_checkpoint
 
@@ -84,7 +84,12 @@ def plan_suite(config: BenchConfig, routing_skew: float) -> SuitePlan:
     facts = [validate_checkpoint(path) for path in copies.values()]
     dense = sum(f.dense_bytes for f in facts)
     experts = sum(f.expert_bytes for f in facts)
+    # quantized experts are served at the bf16 models' budget: the same bytes hold more
     budget = dense + int(config.device_memory_fraction * experts)
+    if config.quantize:
+        copies = {name: ensure_quantized(config.home, path, config.quantize)
+                  for name, path in copies.items()}
+        experts = sum(validate_checkpoint(path).expert_bytes for path in copies.values())
     name = "uniform" if routing_skew == 0 else f"skew{routing_skew:g}"
     requests = workload_for(config).requests(list(copies))
     return SuitePlan(name, routing_skew, copies, dense, experts, budget, requests)

@@ -40,6 +40,7 @@ class BenchConfig(msgspec.Struct, kw_only=True):
     routing_sequences: int = 8
     home: str | None = None           # where the models are built (MOX_HOME)
     out: str = "."
+    quantize: str | None = None       # experts int8 | int4 | fp8 (the budget counts bf16's)
 
 
 class Summary(msgspec.Struct):

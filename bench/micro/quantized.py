@@ -7,8 +7,9 @@ then repacked expert-major):
              alternate within each repeat, so the ratios to bf16 come from one run
   cold TTFT  8- and 32-token prompts with the checkpoint evicted from the page cache
              (posix_fadvise DONTNEED, mincore-checked), pool sized for every expert
-  agreement  the 8 demo models, experts int8 vs bf16: share of the first 32 greedy tokens
-             that are equal, and the largest logit difference at the prompt's last position
+  agreement  the demo models (GPT-OSS's fused experts aside), experts int8 vs bf16: share of
+             the first 32 greedy tokens that are equal, and the largest logit difference at
+             the prompt's last position
 
     .venv/bin/python -m mox.bench.micro.quantized [--home DIR] [--repeats 2] [--out FILE]
 """
@@ -21,7 +22,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,11 +29,9 @@ import torch
 
 from mox import LLM
 from mox.bench.micro.coldstart import evict, machine_load
-from mox.demo import default_home, ensure_demo_models
+from mox.demo import DEMO_ARCHITECTURES, default_home, ensure_demo_models, ensure_quantized
 from mox.kernels.quant import IMPORT_FORMATS
 from mox.loaders import Checkpoint
-from mox.loaders.quantize import quantize_checkpoint
-from mox.loaders.repack import repack_expert_major
 
 RESULTS = Path(__file__).parent.parent / "results" / "quantized.md"
 BF16 = "bf16"
@@ -41,16 +39,6 @@ DECODE_TOKENS = 32
 BATCHES = (1, 8)
 COLD_LENGTHS = (8, 32)
 AGREEMENT_TOKENS = 32
-
-
-def imported(home: str, source: str, kind: str) -> str:
-    """`source` with its experts quantized to `kind`, expert-major (built once per home)."""
-    final = os.path.join(home, "quantized", f"{os.path.basename(source)}.{kind}")
-    if not os.path.exists(os.path.join(final, "config.json")):
-        with tempfile.TemporaryDirectory(dir=os.path.join(home)) as tmp:
-            quantize_checkpoint(source, os.path.join(tmp, "q"), IMPORT_FORMATS[kind])
-            repack_expert_major(os.path.join(tmp, "q"), final)
-    return final
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]]) -> float:
@@ -70,8 +58,9 @@ def cold_ttft(path: str, prompt: list[int]) -> float:
 
 def agreement(home: str) -> list[dict]:
     rows = []
-    for name, path in ensure_demo_models(home).items():
-        quantized = imported(home, path, "int8")
+    architectures = tuple(a for a in DEMO_ARCHITECTURES if a != "gpt_oss")   # fused experts
+    for name, path in ensure_demo_models(home, architectures=architectures).items():
+        quantized = ensure_quantized(home, path, "int8")
         prompt = list(range(5, 21))
         runs = {}
         for label, p in ((BF16, path), ("int8", quantized)):
@@ -89,7 +78,8 @@ def agreement(home: str) -> list[dict]:
 
 def measure(home: str, repeats: int) -> dict:
     source = next(iter(ensure_demo_models(home, "bench", 0.0, ("olmoe",)).values()))
-    paths = {BF16: source, **{kind: imported(home, source, kind) for kind in IMPORT_FORMATS}}
+    paths = {BF16: source,
+             **{kind: ensure_quantized(home, source, kind) for kind in IMPORT_FORMATS}}
     sizes = {kind: Checkpoint(p).expert_nbytes for kind, p in paths.items()}
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(32)] for _ in range(max(BATCHES))]

@@ -157,3 +157,22 @@ def test_step_summary_reads_a_step_log(tmp_path):
     assert s.read_mib == 11
     assert s.models_per_10s == 1.5                      # a alone, then b and c
     assert "| uniform-rate | 4 |" in table(str(tmp_path))
+
+
+def test_a_quantized_suite_serves_quantized_copies_at_the_bf16_budget(tmp_path):
+    import argparse
+
+    from mox.bench.loadtest.harness import plan_suite
+    from mox.cli_bench import add_bench_parser, bench_config
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--quick", "--home", str(tmp_path), "--models", "2",
+                              "--quantize", "int8"])
+    config = bench_config(args)
+    quantized = plan_suite(config, 0.0)
+    plain = plan_suite(msgspec.structs.replace(config, quantize=None), 0.0)
+    assert quantized.device_budget_bytes == plain.device_budget_bytes
+    assert quantized.expert_bytes < 0.55 * plain.expert_bytes
+    for name, path in quantized.models.items():
+        assert path != plain.models[name] and path.endswith(".int8")
