@@ -11,8 +11,8 @@ Design (as vLLM's and SGLang's fused_moe):
    halves as two accumulators), store SiLU(gate) * up: the [P, 2I] product never exists.
 3. down: multiply by w2[slot], scale by the routing weight, store one row per pair; the k rows
    of a token are summed afterwards (deterministic, unlike atomics).
-Quantized pools (int8, int4, FP8; mox.kernels.quant) are dequantized tile by tile inside the K
-loops (each value times its block's scale), so only stored bytes cross memory.
+Quantized pools (int8, int4, FP8, MXFP4; mox.kernels.quant) are dequantized tile by tile inside
+the K loops (each value times its block's scale), so only stored bytes cross memory.
 fp32 accumulation; pair, token and slot offsets are int64, because int32 offsets overflow
 once P * H passes 2^31 (vLLM #5938). Under TRITON_INTERPRET=1, UPCAST loads fp32: the
 interpreter's bf16 arithmetic is silently wrong.
@@ -28,7 +28,10 @@ import triton
 import triton.language as tl
 
 from .moe_config import MoEKernelConfig, get_config
-from .quant import INT4, ExpertScales
+from .quant import INT4, MXFP4, ExpertScales
+
+PACKED_INT4, PACKED_FP4 = 1, 2          # `_weight_tile`'s nibble decodings
+PACKED_KINDS = {INT4: PACKED_INT4, MXFP4: PACKED_FP4}
 
 
 def is_interpreter() -> bool:
@@ -88,14 +91,22 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, offs_n, k, mask, stride_wn, stride_wk, stride_sn, stride_sk,
                  block_rows, block_cols, DTYPE: tl.constexpr, QUANT: tl.constexpr,
-                 INT4: tl.constexpr):
+                 PACKED: tl.constexpr):
     """The `[BK, BN]` tile of weight rows `offs_n` at inputs `k`, in DTYPE: loaded as is, or
-    dequantized here, inside the K loop (int8, FP8, int4 unpacked from its nibbles, times the
-    scale of each value's block: `block_cols` is the row length for per-channel scales)."""
-    if INT4:
+    dequantized here, inside the K loop (int8, FP8, or nibbles: int4 + 8 (PACKED_INT4) or
+    E2M1 codes (PACKED_FP4); times the scale of each value's block: `block_cols` is the row
+    length for per-channel scales)."""
+    if PACKED != 0:
         packed = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k // 2)[:, None] * stride_wk,
                          mask=mask, other=0)
-        w = (((packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 15) - 8).to(tl.float32)
+        code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 15
+        if PACKED == PACKED_INT4:
+            w = (code - 8).to(tl.float32)
+        else:                 # E2M1: sign, 2 exponent bits, 1 mantissa bit; e = 0 subnormal
+            exponent, mantissa = (code >> 1) & 3, (code & 1).to(tl.float32)
+            magnitude = tl.where(exponent == 0, 0.5 * mantissa,
+                                 (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+            w = tl.where(code >= 8, -magnitude, magnitude)
     else:
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk, mask=mask,
                     other=0.0)
@@ -113,7 +124,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_sl
                     stride_ss, stride_sg, stride_sn, stride_sk, block_rows, block_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
-                    QUANT: tl.constexpr, INT4: tl.constexpr):
+                    QUANT: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -138,9 +149,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_sl
         mask = k_ok[:, None] & n_ok[None, :]
         a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0).to(dtype)
         g = _weight_tile(gate_ptr, gate_scale, offs_n, k, mask, stride_wn, stride_wh,
-                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, INT4)
+                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, PACKED)
         u = _weight_tile(up_ptr, up_scale, offs_n, k, mask, stride_wn, stride_wh,
-                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, INT4)
+                         stride_sn, stride_sk, block_rows, block_cols, dtype, QUANT, PACKED)
         if IEEE_DOT:
             acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
@@ -160,7 +171,7 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr
                  stride_ss, stride_sn, stride_sk, block_rows, block_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
-                 QUANT: tl.constexpr, INT4: tl.constexpr):
+                 QUANT: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -180,7 +191,7 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr
         a = tl.load(a_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0).to(dtype)
         b = _weight_tile(w_ptr, scale_ptr, offs_n, k, k_ok[:, None] & n_ok[None, :],
                          stride_wh, stride_wi, stride_sn, stride_sk, block_rows, block_cols,
-                         dtype, QUANT, INT4)
+                         dtype, QUANT, PACKED)
         if IEEE_DOT:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -217,7 +228,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  GROUP_M=config.group_m, UPCAST=is_interpreter(),
                  IEEE_DOT=x.dtype == torch.float32, QUANT=fmt is not None,
-                 INT4=fmt is not None and fmt.kind == INT4, num_warps=config.num_warps,
+                 PACKED=PACKED_KINDS.get(fmt.kind if fmt else None, 0),
+                 num_warps=config.num_warps,
                  num_stages=config.num_stages)
     s13 = w13 if scales is None else scales.w13           # (unread without QUANT)
     s13_strides = (0, 0, 0, 0) if scales is None else s13.stride()

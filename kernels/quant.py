@@ -9,7 +9,9 @@ block of `block_rows x block_cols` values (`block_cols` 0: the whole row): the v
   nibbles, two a byte, the first in the low nibble (the bytes of its little-endian int32
   `weight_packed`, eight values each), so stored `[N, K / 2]` uint8;
 - FP8 E4M3, blocks of 128 x 128 (DeepSeek-V3's `weight_scale_inv`, which despite its name
-  multiplies).
+  multiplies);
+- MXFP4, groups of 32 (GPT-OSS): E2M1 values packed as int4 is (no offset: sign, 2 exponent
+  bits, 1 mantissa bit), with power-of-two scales (stored E8M0, held as float32).
 
 Scales are `[ceil(N / block_rows), ceil(K / block_cols)]` float32. An expert's gate and up
 weights are quantized apart, so a slot's w13 scales are `[2, rows, cols]`: gate's, then up's.
@@ -22,11 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-INT8, INT4, FP8 = "int8", "int4", "fp8"
-KINDS = (INT8, INT4, FP8)
-_STORAGE = {INT8: torch.int8, INT4: torch.uint8, FP8: torch.float8_e4m3fn}
-_MAX = {INT8: 127.0, INT4: 7.0, FP8: 448.0}
+INT8, INT4, FP8, MXFP4 = "int8", "int4", "fp8", "mxfp4"
+KINDS = (INT8, INT4, FP8, MXFP4)
+PACKED = (INT4, MXFP4)              # two values a byte
+_STORAGE = {INT8: torch.int8, INT4: torch.uint8, FP8: torch.float8_e4m3fn, MXFP4: torch.uint8}
+_MAX = {INT8: 127.0, INT4: 7.0, FP8: 448.0, MXFP4: 6.0}
 INT4_OFFSET = 8
+# The 16 E2M1 codes: sign bit, 2 exponent bits, 1 mantissa bit.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class WeightFormat:
         return _STORAGE[self.kind]
 
     def stored_shape(self, rows: int, cols: int) -> tuple[int, int]:
-        return (rows, cols // 2) if self.kind == INT4 else (rows, cols)
+        return (rows, cols // 2) if self.kind in PACKED else (rows, cols)
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return (math.ceil(rows / self.block_rows),
@@ -63,6 +70,7 @@ class WeightFormat:
 INT8_PER_CHANNEL = WeightFormat(INT8)
 INT4_GROUP128 = WeightFormat(INT4, 1, 128)
 FP8_BLOCK128 = WeightFormat(FP8, 128, 128)
+MXFP4_GROUP32 = WeightFormat(MXFP4, 1, 32)
 IMPORT_FORMATS = {INT8: INT8_PER_CHANNEL, INT4: INT4_GROUP128, FP8: FP8_BLOCK128}
 
 
@@ -71,6 +79,19 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     low = (packed & 0x0F).to(torch.int8) - INT4_OFFSET
     high = (packed >> 4).to(torch.int8) - INT4_OFFSET
     return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """`[..., K / 2]` uint8 of E2M1 codes -> `[..., K]` float32."""
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    return torch.stack((table[(packed & 0x0F).long()], table[(packed >> 4).long()]),
+                       dim=-1).flatten(-2)
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4's stored scales (uint8 exponents) -> float32 powers of two."""
+    exponents = scales.to(torch.int32) - E8M0_BIAS
+    return torch.ldexp(torch.ones(exponents.shape, device=scales.device), exponents)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -92,7 +113,8 @@ def _expand(scale: torch.Tensor, fmt: WeightFormat, rows: int, cols: int) -> tor
 def dequantize(data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored `[..., N, K']` and scales `[..., nb, kb]` -> values `[..., N, K]` in `dtype`."""
-    values = unpack_int4(data) if fmt.kind == INT4 else data
+    values = (unpack_int4(data) if fmt.kind == INT4 else unpack_fp4(data) if fmt.kind == MXFP4
+              else data)
     rows, cols = values.shape[-2:]
     return (values.float() * _expand(scale, fmt, rows, cols)).to(dtype)
 
@@ -101,8 +123,8 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, tor
     """`[N, K]` -> (stored, float32 scales): each block's largest magnitude maps to the
     format's largest value (round to nearest)."""
     rows, cols = weight.shape
-    if fmt.kind == INT4 and cols % 2:
-        raise ValueError(f"int4 packs two values a byte: {cols} inputs is odd")
+    if fmt.kind in PACKED and cols % 2:
+        raise ValueError(f"{fmt.kind} packs two values a byte: {cols} inputs is odd")
     w = weight.float()
     nb, kb = fmt.scale_shape(rows, cols)
     br, bc = fmt.block_rows, fmt.block_cols or cols
@@ -110,11 +132,23 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, tor
     padded[:rows, :cols] = w.abs()
     amax = padded.view(nb, br, kb, bc).amax(dim=(1, 3))                      # [nb, kb]
     scale = (amax / _MAX[fmt.kind]).clamp(min=torch.finfo(torch.float32).tiny)
+    if fmt.kind == MXFP4:                             # a power of two, the largest value <= 6
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     scaled = w / _expand(scale, fmt, rows, cols)
+    if fmt.kind == MXFP4:
+        return _nearest_fp4(scaled), scale
     if fmt.kind == FP8:
         return scaled.clamp(-_MAX[FP8], _MAX[FP8]).to(torch.float8_e4m3fn), scale
     ints = scaled.round().clamp(-_MAX[fmt.kind] - (fmt.kind == INT4), _MAX[fmt.kind])
     return (pack_int4(ints) if fmt.kind == INT4 else ints.to(torch.int8)), scale
+
+
+def _nearest_fp4(values: torch.Tensor) -> torch.Tensor:
+    """`[..., K]` (K even) -> the nearest E2M1 codes, packed `[..., K / 2]` uint8."""
+    table = torch.tensor(FP4_E2M1_VALUES[:8])
+    magnitude = (values.abs()[..., None] - table).abs().argmin(dim=-1)     # codes 0..7
+    codes = (magnitude + 8 * (values < 0)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mox.kernels.quant import MXFP4_GROUP32
+
 from .errors import CheckpointError
 from .layout import expert_tensors, fused_expert_tensors, is_fused
 from .quantized import StoredWeight, WeightFormat
@@ -31,10 +33,9 @@ DOWN_T = "down_t"                 # [I, H] (GPT-OSS)
 GATE_UP_BIAS = "gate_up_bias"     # [2I], gate_0, up_0, gate_1, ... (GPT-OSS)
 DOWN_BIAS = "down_bias"           # [H]
 # MXFP4 (GPT-OSS as published): rows in output order (gate_up rows interleaved as above),
-# decoded on load (`loaders.mxfp4`) into the slot dtype
+# held as stored in the slot (mox.kernels.quant), the E8M0 scales decoded to float32 on load
 GATE_UP_BLOCKS, GATE_UP_SCALES = "gate_up_blocks", "gate_up_scales"   # [2I, H/32, 16], [2I, H/32]
 DOWN_BLOCKS, DOWN_SCALES = "down_blocks", "down_scales"               # [H, I/32, 16], [H, I/32]
-GATE_UP_ROWS = "gate_up_rows"     # [2I, H], rows gate_0, up_0, gate_1, ...: decoded MXFP4
 MXFP4_ROLES = (GATE_UP_BLOCKS, GATE_UP_SCALES, DOWN_BLOCKS, DOWN_SCALES)
 
 _FUSED_ROLES = {"gate_up_proj": GATE_UP_T, "down_proj": DOWN_T,
@@ -99,9 +100,10 @@ def expert_index(spec: ModelSpec, stored: Callable[[str], StoredWeight],
                  for name in fused_expert_tensors(spec, layer)]
         if spec.expert_storage != EXPERTS_FUSED:
             _check_mxfp4_dtypes(fused)
+        fmt = MXFP4_GROUP32 if spec.expert_storage != EXPERTS_FUSED else None
         for expert in range(spec.num_experts):
             index[layer, expert] = ExpertTensors(tuple(
-                ExpertPart(expert_slice(whole, expert), role) for whole, role in fused))
+                ExpertPart(expert_slice(whole, expert), role) for whole, role in fused), fmt)
     return index
 
 

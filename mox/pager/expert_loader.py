@@ -6,10 +6,10 @@ Runs on the reader's I/O threads, outside the pager's lock: the target slot is r
 - CPU pool in the checkpoint's dtype, parts stored as the slot holds them: `preadv` straight
   into the slot's memory, no copy.
 - Otherwise bytes land in a staging buffer (per thread, reused; pinned for CUDA) and are
-  decoded (MXFP4), converted and copied into the slot through each part's destination view
-  (strided where the stored layout differs: GPT-OSS); on CUDA the copy runs on a side stream
-  and the I/O thread waits on its event before reusing the buffer, so the compute stream
-  never stalls.
+  converted (MXFP4's E8M0 scales to float32, dtypes) and copied into the slot through each
+  part's destination view (strided where the stored layout differs: GPT-OSS); on CUDA the
+  copy runs on a side stream and the I/O thread waits on its event before reusing the
+  buffer, so the compute stream never stalls.
 """
 
 from __future__ import annotations
@@ -20,17 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mox.kernels.quant import e8m0_to_float
 from mox.loaders import ExpertTensors
-from mox.loaders.experts import (
-    DOWN,
-    DOWN_BLOCKS,
-    DOWN_SCALES,
-    GATE_UP_BLOCKS,
-    GATE_UP_ROWS,
-    GATE_UP_SCALES,
-    MXFP4_ROLES,
-)
-from mox.loaders.mxfp4 import dequantize_mxfp4
+from mox.loaders.experts import DOWN_SCALES, GATE_UP_SCALES, MXFP4_ROLES
 from mox.loaders.stream import ByteRange, StreamingReader
 from mox.pager.host_cache import CacheKey, HostCache
 from mox.pager.slot_pool import SlotPool
@@ -121,17 +113,12 @@ def _in_place(pool: SlotPool, index: int, tensors: ExpertTensors) -> list[torch.
 
 def _placed(pool: SlotPool, index: int, tensors: ExpertTensors,
             parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(destination views, sources shaped like them) for one expert's stored parts; MXFP4
-    blocks and scales are decoded into the slot dtype first."""
-    by_role = {part.role: tensor for part, tensor in zip(tensors.parts, parts)}
-    if GATE_UP_BLOCKS in by_role:
-        by_role[GATE_UP_ROWS] = dequantize_mxfp4(by_role.pop(GATE_UP_BLOCKS),
-                                                 by_role.pop(GATE_UP_SCALES), pool.dtype)
-        by_role[DOWN] = dequantize_mxfp4(by_role.pop(DOWN_BLOCKS), by_role.pop(DOWN_SCALES),
-                                         pool.dtype)
-    destinations = [pool.destination(index, role) for role in by_role]
-    sources = [t.view(d.shape) for t, d in zip(by_role.values(), destinations)]
-    return destinations, sources
+    """(destination views, sources shaped like them) for one expert's stored parts; MXFP4's
+    E8M0 scales are decoded to the pool's float32 first."""
+    sources = [e8m0_to_float(t) if p.role in (GATE_UP_SCALES, DOWN_SCALES) else t
+               for p, t in zip(tensors.parts, parts)]
+    destinations = [pool.destination(index, p.role) for p in tensors.parts]
+    return destinations, [t.view(d.shape) for t, d in zip(sources, destinations)]
 
 
 def _split(raw: torch.Tensor, infos) -> list[torch.Tensor]:

@@ -29,12 +29,15 @@ from mox.kernels import NOT_RESIDENT, ExpertScales, WeightFormat
 from mox.loaders.experts import (
     DOWN,
     DOWN_BIAS,
+    DOWN_BLOCKS,
     DOWN_SCALE,
+    DOWN_SCALES,
     DOWN_T,
     GATE,
     GATE_SCALE,
     GATE_UP_BIAS,
-    GATE_UP_ROWS,
+    GATE_UP_BLOCKS,
+    GATE_UP_SCALES,
     GATE_UP_T,
     UP,
     UP_SCALE,
@@ -137,8 +140,14 @@ class SlotPool:
             return w2                                                     # [H, I]
         if role == GATE_UP_T:        # stored [H, 2I] = [H, I, (gate, up)]
             return w13.view(2, inter, self.hidden).permute(2, 1, 0)
-        if role == GATE_UP_ROWS:     # stored [2I, H] = [I, (gate, up), H]
-            return w13.view(2, inter, self.hidden).transpose(0, 1)
+        if role == GATE_UP_BLOCKS:   # MXFP4, stored [2I, H/32, 16] = [I, (gate, up), H/2]
+            return w13.view(2, inter, -1).transpose(0, 1)
+        if role == GATE_UP_SCALES:   # stored [2I, H/32] = [I, (gate, up), H/32]
+            return self.w13_scale[index].view(2, inter, -1).transpose(0, 1)
+        if role == DOWN_BLOCKS:      # [H, I/32, 16]
+            return w2
+        if role == DOWN_SCALES:
+            return self.w2_scale[index]
         if role == DOWN_T:           # stored [I, H]
             return w2.t()
         if role == GATE_SCALE:

@@ -21,6 +21,7 @@ from mox.kernels.quant import (
     FP8_BLOCK128,
     INT4_GROUP128,
     INT8_PER_CHANNEL,
+    MXFP4_GROUP32,
     WeightFormat,
     dequantize,
     dequantize_experts,
@@ -32,9 +33,11 @@ from tests.kernels.problems import make_problem
 
 FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"), pytest.param(INT4_GROUP128, id="int4"),
            pytest.param(FP8_BLOCK128, id="fp8-block"),
-           pytest.param(WeightFormat(FP8), id="fp8-channel")]
+           pytest.param(WeightFormat(FP8), id="fp8-channel"),
+           pytest.param(MXFP4_GROUP32, id="mxfp4")]
 # the largest error a value may carry, relative to its block's largest magnitude
-RELATIVE_STEP = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 2.0**-4}
+# (MXFP4: a power-of-two scale puts the block's largest value in (3, 6], steps of 2 above 4)
+RELATIVE_STEP = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 2.0**-4, "mxfp4": 1.0 / 3}
 NATIVE = native.kernels()
 SMALL_TILES = MoEKernelConfig(block_m=16, block_n=32, block_k=32)     # several K steps a block
 

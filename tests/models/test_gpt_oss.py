@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mox import LLM
+from mox.kernels.quant import E8M0_BIAS, FP4_E2M1_VALUES
 from mox.loaders import Checkpoint, CheckpointError, parse_config
 from mox.loaders.experts import DOWN_BIAS, DOWN_T, GATE_UP_BIAS, GATE_UP_T
-from mox.loaders.mxfp4 import E8M0_BIAS, FP4_E2M1_VALUES
 from mox.loaders.repack import repack_expert_major
 from mox.loaders.stream import read_tensor
 from tests.conftest import open_tiny
@@ -135,7 +135,12 @@ def test_mxfp4_paged_generation_equals_all_resident(mxfp4_checkpoint):
     path, _ = mxfp4_checkpoint
     prompt = list(range(3, 19))
     expected = _greedy(LLM(path, dtype="float32"), prompt)
-    llm = LLM(path, dtype="float32", expert_memory="40KiB", host_memory="1MiB")
+    expert_bytes = LLM(path, dtype="float32", expert_memory="1GiB").pager_stats()["expert_bytes"]
+    spec = Checkpoint(path).spec
+    top_k = spec.top_k
+    assert expert_bytes < 3 * spec.hidden_size * spec.moe_intermediate_size   # slots: MXFP4
+    llm = LLM(path, dtype="float32", expert_memory=(top_k + 1) * expert_bytes,
+              host_memory="1MiB")
     assert _greedy(llm, prompt) == expected
     stats = llm.pager_stats()
     assert stats["misses"] > 0 and stats["evictions"] > 0 and stats["bytes_read_host"] > 0
