@@ -30,8 +30,9 @@ import triton.language as tl
 from .moe_config import MoEKernelConfig, get_config
 from .quant import INT4, MXFP4, ExpertScales
 
-PACKED_INT4, PACKED_FP4 = 1, 2          # `_weight_tile`'s nibble decodings
-PACKED_KINDS = {INT4: PACKED_INT4, MXFP4: PACKED_FP4}
+# `_weight_tile`'s nibble decodings (constexpr: a jitted function may read such globals)
+PACKED_INT4, PACKED_FP4 = tl.constexpr(1), tl.constexpr(2)
+PACKED_KINDS = {INT4: 1, MXFP4: 2}
 
 
 def is_interpreter() -> bool:

@@ -1,6 +1,5 @@
 """The CPU decode kernels of `csrc/` (bf16_gemv.c, moe_experts.c, decode_attention.c,
-rms_norm.c), built at
-first use and called through ctypes.
+rms_norm.c), built at first use (`native_build`) and called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -20,64 +19,17 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import subprocess
-import tempfile
 
 import torch
 
+from .native_build import SOURCE_DIR, build
 from .quant import INT4, INT8, ExpertScales
 
-log = logging.getLogger("mox.kernels")
-
-SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
 K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
-COMPILE_TIMEOUT_S = 120
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mox", "native")
-
-
-def _build(source_dir: str) -> str | None:
-    """One shared library of every C file in `source_dir`, compiled once per hash of the
-    folder's sources and headers (None: no compiler, or no writable cache)."""
-    files = sorted(os.path.join(source_dir, f) for f in os.listdir(source_dir)
-                   if f.endswith((".c", ".h")))
-    sources = [f for f in files if f.endswith(".c")]
-    digest = hashlib.sha256()
-    for path in files:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    folder = _cache_dir()
-    target = os.path.join(folder, f"mox_cpu-{digest.hexdigest()[:16]}.so")
-    if os.path.exists(target):
-        return target
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, staged = tempfile.mkstemp(suffix=".so", dir=folder)
-    except OSError as e:                  # no writable cache: serve with torch's paths
-        log.info("native CPU kernels unavailable: cannot write %s: %s", folder, e)
-        return None
-    os.close(fd)
-    command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", *sources,
-               "-o", staged, "-lm"]
-    try:
-        subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.info("native CPU kernels unavailable (%s): %s", " ".join(command),
-                 detail.decode(errors="replace")[-300:] or e)
-        os.unlink(staged)
-        return None
-    os.replace(staged, target)             # atomic: a concurrent build wrote the same bytes
-    return target
 
 
 class NativeKernels:
@@ -151,22 +103,11 @@ class NativeKernels:
         slot; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16
         and the result `[P, H]` f32, each row scaled by its routing weight, which is
         returned."""
-        num_rows, hidden = rows.shape
-        inter = w13.shape[1] // 2
+        _check_experts(rows, w13, w2, scratch, scales)
+        hidden, inter = rows.shape[1], w13.shape[1] // 2
         slots, starts, counts = (r.to(torch.int64).contiguous() for r in runs)
         row_weights = row_weights.to(torch.float32).contiguous()
         gate_up, act, down = scratch
-        for t in (rows, w13, w2, gate_up, act, down):
-            if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-                raise ValueError("moe_silu takes tensors contiguous per slot and per row")
-        if (gate_up.shape != (num_rows, 2 * inter) or act.shape != (num_rows, inter)
-                or down.shape != (num_rows, hidden) or w2.shape[1] != hidden):
-            raise ValueError("moe_silu's scratch and pools disagree with its rows' shape")
-        weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
-        if rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or (
-                w2.dtype != weight_dtype) or not _native_format(scales):
-            raise ValueError(f"moe_silu takes bf16 rows and bf16, int8 per channel or int4 "
-                             f"group-wise weights, got {w13.dtype}")
         tail = (slots.data_ptr(), starts.data_ptr(), counts.data_ptr(), slots.shape[0],
                 row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(), act.data_ptr(),
                 down.data_ptr(), int(fast))
@@ -175,9 +116,6 @@ class NativeKernels:
                                w2.stride(0), *tail)
         else:
             s13, s2 = scales.w13, scales.w2
-            if s13.dtype != torch.float32 or s2.dtype != torch.float32 or not (
-                    s13[0].is_contiguous() and s2[0].is_contiguous()):
-                raise ValueError("moe_silu takes float32 scales contiguous per slot")
             status = self._moe_quantized(
                 rows.data_ptr(), w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
                 w2.data_ptr(), w2.stride(0), s2.data_ptr(), s2.stride(0),
@@ -233,7 +171,7 @@ def kernels() -> NativeKernels | None:
     """The loaded library, or None where it cannot be built (or is switched off)."""
     if os.environ.get("MOX_NATIVE_KERNELS", "1") == "0":
         return None
-    path = _build(SOURCE_DIR)
+    path = build(SOURCE_DIR)
     return NativeKernels(path) if path is not None else None
 
 
@@ -259,6 +197,34 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
             and w.dim() == 2 and w.shape[1] == x.shape[1]
             and x.stride(1) == 1 and w.stride(1) == 1)
+
+
+def _check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   scratch: list[torch.Tensor], scales: ExpertScales | None) -> None:
+    """What `moe_silu` hands the C code must be laid out as it reads it: a mismatch would
+    read or write out of bounds, so it raises here."""
+    (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
+    for t in (rows, w13, w2, *scratch):
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError("moe_silu takes tensors contiguous per slot and per row")
+    stored = (lambda r, c: (r, c)) if scales is None else scales.fmt.stored_shape
+    if ([t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
+                                       (num_rows, hidden)]
+            or w13.shape[1:] != stored(2 * inter, hidden)
+            or w2.shape[1:] != stored(hidden, inter)):
+        raise ValueError("moe_silu's scratch and pools disagree with its rows")
+    weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
+    if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
+            or not _native_format(scales)):
+        raise ValueError(f"moe_silu takes bf16 rows and bf16, int8 per channel or int4 "
+                         f"group-wise weights, got {w13.dtype}")
+    if scales is not None and (
+            scales.w13.shape[1:] != (2, *scales.fmt.scale_shape(inter, hidden))
+            or scales.w2.shape[1:] != scales.fmt.scale_shape(hidden, inter)
+            or scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32
+            or not (scales.w13[0].is_contiguous() and scales.w2[0].is_contiguous())):
+        raise ValueError("moe_silu takes float32 scales of the format's shape, contiguous "
+                         "per slot")
 
 
 def _native_format(scales: ExpertScales | None) -> bool:

@@ -114,9 +114,14 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored `[..., N, K']` and scales `[..., nb, kb]` -> values `[..., N, K]` in `dtype`."""
     values = (unpack_int4(data) if fmt.kind == INT4 else unpack_fp4(data) if fmt.kind == MXFP4
-              else data)
-    rows, cols = values.shape[-2:]
-    return (values.float() * _expand(scale, fmt, rows, cols)).to(dtype)
+              else data).float()
+    *batch, rows, cols = values.shape
+    br, bc = fmt.block_rows, fmt.block_cols or cols
+    if rows % br == 0 and cols % bc == 0:         # whole blocks: broadcast, no per-value scales
+        blocks = values.view(*batch, rows // br, br, cols // bc, bc)
+        scaled = blocks * scale.float().view(*batch, rows // br, 1, cols // bc, 1)
+        return scaled.view(*batch, rows, cols).to(dtype)
+    return (values * _expand(scale, fmt, rows, cols)).to(dtype)
 
 
 def quantize(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +133,7 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, tor
     w = weight.float()
     nb, kb = fmt.scale_shape(rows, cols)
     br, bc = fmt.block_rows, fmt.block_cols or cols
-    padded = torch.zeros(nb * br, kb * bc)
+    padded = torch.zeros(nb * br, kb * bc, device=weight.device)
     padded[:rows, :cols] = w.abs()
     amax = padded.view(nb, br, kb, bc).amax(dim=(1, 3))                      # [nb, kb]
     scale = (amax / _MAX[fmt.kind]).clamp(min=torch.finfo(torch.float32).tiny)

@@ -111,6 +111,11 @@ def _separate(spec: ModelSpec, stored: Callable[[str], StoredWeight], layer: int
               expert: int) -> ExpertTensors:
     """gate, up, down (each followed by its scales where quantized)."""
     weights = [stored(name) for name in expert_tensors(spec, layer, expert)]
+    if len({weight.fmt for weight in weights}) > 1:
+        raise CheckpointError(weights[0].data.file, f"expert {expert} of layer {layer} mixes "
+                              f"formats ({', '.join(repr(w.data.name) for w in weights)}: "
+                              f"{[w.fmt.describe() if w.fmt else 'plain' for w in weights]}); "
+                              "mox pages an expert's three weights in one format")
     parts = []
     for weight, role, scale_role in zip(weights, (GATE, UP, DOWN),
                                         (GATE_SCALE, UP_SCALE, DOWN_SCALE)):

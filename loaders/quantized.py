@@ -100,6 +100,9 @@ def _weight_scheme(w: dict[str, Any], group: str, path: str) -> WeightFormat:
     if not w.get("symmetric", True):
         raise CheckpointError(path, f"{where}: asymmetric weights (a zero point) are not "
                               "supported")
+    if w.get("actorder") not in (None, False, "weight"):
+        raise CheckpointError(path, f"{where}: actorder {w['actorder']!r} (groups in "
+                              "weight_g_idx order) is not supported")
     if (kind, bits, strategy) == ("int", 8, "channel"):
         return WeightFormat(INT8)
     if (kind, bits, strategy) == ("int", 4, "group") and int(w.get("group_size") or 0) > 0:

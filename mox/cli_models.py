@@ -158,7 +158,8 @@ def _import(args: argparse.Namespace) -> int:
     how = "expert-major" if fmt is None else f"expert-major, experts {fmt.describe()}"
     print(f"imported {new.name} {how} into {new.path}: experts "
           f"{format_bytes(entry.expert_bytes)} -> {format_bytes(new.expert_bytes)} "
-          f"(the original at {entry.path} is left in place)")
+          f"(the original at {entry.path} is left in place: a server may still read it; "
+          f"remove it when none does)")
     return 0
 
 

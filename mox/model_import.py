@@ -96,6 +96,7 @@ def check_quantized(src: str, dst: str, progress: Progress | None = None) -> Non
     """Every weight of `dst` is `src`'s, or (quantized) exactly what quantizing `src`'s
     gives: its stored values and scales compared bit for bit."""
     original, copy = Checkpoint(src), Checkpoint(dst)
+    _check_extras(original, copy)
     for name, weight in copy.stored.items():
         source = original.stored[name].data
         if weight.fmt is None:
@@ -109,6 +110,23 @@ def check_quantized(src: str, dst: str, progress: Progress | None = None) -> Non
                                   f"{src}'s {name!r} {'quantized' if weight.fmt else ''}")
         if progress is not None:
             progress(source.nbytes)
+
+
+def _check_extras(original: Checkpoint, copy: Checkpoint) -> None:
+    """Tensors of `copy` outside its weights (extra layers; int4's `weight_shape`) are the
+    source's, or the logical shape of the packed weight they describe."""
+    covered = {info.name for weight in copy.stored.values() for info in weight.infos}
+    for name, info in copy.tensors.items():
+        if name in covered:
+            continue
+        if name in original.tensors:
+            same = _same_bytes(original.tensors[name], info)
+        else:
+            weight = name.removesuffix("_shape")
+            same = (name.endswith(".weight_shape") and weight in original.tensors
+                    and read_tensor(info).tolist() == list(original.tensors[weight].shape))
+        if not same:
+            raise CheckpointError(info.file, f"tensor {name!r} is not {original.path}'s")
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

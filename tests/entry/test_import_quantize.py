@@ -14,7 +14,7 @@ from mox.registry import Registry
 from tests.loaders.test_quantized import dequantized_copy, greedy
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 def test_import_quantize_repacks_experts_quantized(home, demo_path, tmp_path, capsys, kind):
     assert main(["models", "add", "q", demo_path, "--home", home]) == 0
     before = Registry(home).get("q")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mox.kernels import moe_torch, native
+from mox.kernels import moe_torch, native, native_build
 from mox.kernels.moe_torch import fused_moe_torch, reference_fused_moe
 
 NATIVE = native.kernels()
@@ -96,7 +96,7 @@ def test_fused_moe_with_the_native_kernels_matches_the_reference(num_tokens, mon
 def test_no_compiler_means_no_native_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")                 # a compiler that always fails
-    assert native._build(native.SOURCE_DIR) is None
+    assert native_build.build(native_build.SOURCE_DIR) is None
     assert not list(tmp_path.rglob("*.so"))           # nothing half-built left behind
 
 
@@ -212,4 +212,4 @@ def test_an_unwritable_cache_means_no_native_kernels(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")                             # a file where the cache folder would go
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    assert native._build(native.SOURCE_DIR) is None
+    assert native_build.build(native_build.SOURCE_DIR) is None

@@ -80,6 +80,24 @@ def test_int4_packing_is_low_nibble_first_and_inverts():
     assert torch.equal(unpack_int4(packed), values)
 
 
+def test_int4_bytes_are_compressed_tensors_packed_int32():
+    """compressed-tensors' pack-quantized: each int32 holds 8 values + 8, value i in bits
+    4i..4i+3, stored little-endian; mox's uint8 pairs are those bytes."""
+    values = torch.tensor([[-8, 7, 0, -1, 3, -5, 2, 1, 6, -7, -2, 4, 5, -3, -6, -4]])
+    words = [sum((int(v) + 8) << (4 * i) for i, v in enumerate(values[0, j:j + 8]))
+             for j in (0, 8)]
+    expected = torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in words]],
+                            dtype=torch.int32)
+    assert torch.equal(pack_int4(values).view(torch.int32), expected)
+
+
+def test_fp8_block_scales_multiply():
+    """DeepSeek's `weight_scale_inv`, despite its name, multiplies the stored values."""
+    data = torch.tensor([[1.5, -2.0], [0.25, 448.0]]).to(torch.float8_e4m3fn)
+    values = dequantize(data, torch.tensor([[3.0]]), FP8_BLOCK128)
+    assert torch.equal(values, data.float() * 3.0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("num_tokens", [1, 19])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,7 +105,8 @@ def test_a_missing_scale_names_its_weight(int8_copy):
 @pytest.mark.parametrize("change, message", [
     ({"num_bits": 3}, "num_bits 3"),
     ({"strategy": "tensor"}, "strategy 'tensor'"),
-    ({"symmetric": False}, "asymmetric")])
+    ({"symmetric": False}, "asymmetric"),
+    ({"actorder": "group"}, "actorder 'group'")])
 def test_an_unsupported_scheme_is_refused(int8_copy, change, message):
     path = os.path.join(int8_copy, "config.json")
     with open(path) as f:
@@ -114,6 +115,14 @@ def test_an_unsupported_scheme_is_refused(int8_copy, change, message):
     with open(path, "w") as f:
         json.dump(config, f)
     with pytest.raises(CheckpointError, match=rf"config\.json.*{message}"):
+        Checkpoint(int8_copy)
+
+
+def test_an_expert_mixing_formats_is_refused(hf_checkpoints, int8_copy):
+    down = "model.layers.0.mlp.experts.2.down_proj.weight"
+    plain = load_file(os.path.join(hf_checkpoints["olmoe"][0], "model.safetensors"))[down]
+    path = _rewrite(int8_copy, lambda t: (t.pop(down + "_scale"), t.update({down: plain})))
+    with pytest.raises(CheckpointError, match=rf"{path}.*expert 2 of layer 0 mixes formats"):
         Checkpoint(int8_copy)
 
 
