@@ -28,6 +28,7 @@ from .quant import INT4, INT8, ExpertScales
 
 MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
 K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
+QUANT_BLOCK = 64        # quantized experts: activations share one int8 scale per 64 values
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -68,6 +69,7 @@ class NativeKernels:
         norm.restype = ctypes.c_int
         self._norm = norm
         self.fast = bool(self._lib.mox_has_avx512bf16())
+        self.fast_quantized = self.fast and bool(self._lib.mox_has_avx512vnni())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
@@ -98,7 +100,8 @@ class NativeKernels:
                  scales: ExpertScales | None = None) -> torch.Tensor:
         """SiLU-gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
         `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or stored as `scales`
-        says (int8 per channel; int4 in groups, which permutes `rows` in place); `runs`:
+        says (int8 per channel, int4 in groups; met by activations quantized to int8 in
+        blocks of QUANT_BLOCK); `runs`:
         three int64 `[A]` tensors, the slot, first row and number of rows of each active
         slot; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16
         and the result `[P, H]` f32, each row scaled by its routing weight, which is
@@ -228,23 +231,25 @@ def _check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _native_format(scales: ExpertScales | None) -> bool:
-    """bf16 (no scales), int8 per output row, or int4 in groups of a multiple of 32."""
+    """bf16 (no scales), int8 per output row, or int4 in groups of a multiple of
+    QUANT_BLOCK."""
     if scales is None:
         return True
     fmt = scales.fmt
     return fmt.block_rows == 1 and (
         (fmt.kind == INT8 and fmt.block_cols == 0)
-        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % K_MULTIPLE == 0))
+        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0))
 
 
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales: ExpertScales | None = None) -> bool:
-    """Whether `moe_silu`'s fast path serves these experts here."""
+    """Whether `moe_silu`'s fast path serves these experts here (quantized ones need
+    AVX512-VNNI)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
-    group = 0 if scales is None else scales.fmt.block_cols
+    multiple = K_MULTIPLE if scales is None else max(QUANT_BLOCK, scales.fmt.block_cols)
     return (_fast() and rows.device.type == "cpu" and rows.dtype == torch.bfloat16
-            and _native_format(scales) and hidden % K_MULTIPLE == 0
-            and inter % K_MULTIPLE == 0 and (group == 0 or hidden % group + inter % group == 0))
+            and (scales is None or kernels().fast_quantized) and _native_format(scales)
+            and hidden % multiple == 0 and inter % multiple == 0)
 
 
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

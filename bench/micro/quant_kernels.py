@@ -75,16 +75,18 @@ def variants(pools: dict) -> dict:
         return torch._weight_int8pack_mm(act, d2[e], p2[e])
 
     def dequant_mm(data13, data2, scales):
-        return lambda x, e: mm_call(x, *dequantize_experts(data13, data2, scales,
-                                                           torch.tensor([e]), torch.bfloat16))
+        def call(x, e):
+            w13, w2 = dequantize_experts(data13, data2, scales, torch.tensor([e]), torch.bfloat16)
+            return mm_call(x, w13[0], w2[0])
+        return call
     return {
         "bf16": lambda x, e: (native_call(x, bf13, bf2, e) if x.shape[0] <= 16
                               else mm_call(x, bf13[e], bf2[e])),
         "int8 native": lambda x, e: native_call(x, d13, d2, e, s8),
         "int8 pack_mm": pack_mm,
-        "int8 dequant+mm": lambda x, e: dequant_mm(d13, d2, s8)(x, e)[0],
+        "int8 dequant+mm": dequant_mm(d13, d2, s8),
         "int4 native": lambda x, e: native_call(x, i13, i2, e, s4),
-        "int4 dequant+mm": lambda x, e: dequant_mm(i13, i2, s4)(x, e)[0],
+        "int4 dequant+mm": dequant_mm(i13, i2, s4),
     }
 
 

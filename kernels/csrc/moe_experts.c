@@ -1,126 +1,126 @@
 /* The SiLU-gated experts of one MoE layer for decode, over bf16, int8 or int4 slot pools:
- * each weight row read once, in place, in memory order, with the GEMVs' inner loops (rows.h);
- * quantized rows are widened to bf16 in registers and their scales applied to the sums, so a
- * quantized expert costs its stored bytes. Built with bf16_gemv.c into one library
- * (mox/kernels/native.py); the plain-C paths compute the same sums everywhere.
+ * each weight row read once, in place, in memory order, so an expert costs its stored bytes.
+ * bf16 pools use the GEMVs' inner loops (rows.h). Quantized pools meet activations quantized
+ * here to int8 in blocks of 64 (one float scale each, as llama.cpp's Q8 activations): one
+ * AVX512-VNNI instruction multiplies 64 weight bytes by 64 activation bytes, where widening
+ * the weights to bf16 took six instructions per 32 and left decode compute-bound. VPDPBUSD
+ * takes unsigned bytes on one side: int8 weights are flipped to w + 128, int4 nibbles are
+ * stored as v + 8, and the offset times the activations' block sums is subtracted once per
+ * row. Built with bf16_gemv.c into one library (mox/kernels/native.py); the plain-C paths
+ * compute the same sums everywhere.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 #include "rows.h"
 
-/* int8 weights (one float scale per row, applied by the caller): each 32 values widened to
- * bf16 (exact: |v| <= 127) and dotted like bf16 weights */
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline __m512bh widen_i8(const int8_t *w) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)w);
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
+#define QBLOCK 64              /* activation values sharing one scale */
 
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline void row_i8_avx512(const uint16_t *x, int64_t ldx, const int8_t *row, float *out,
-                                 int64_t ldy, int M, int64_t K) {
-    __m512 acc[MAX_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        __m512bh w0 = widen_i8(row + k), w1 = widen_i8(row + k + 32);
-        for (int m = 0; m < M; m++) {
-            const uint16_t *xm = x + m * ldx + k;
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xm), w0);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
-        }
-    }
-    if (k < K) {
-        __m512bh w0 = widen_i8(row + k);
-        for (int m = 0; m < M; m++)
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0],
-                                         (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w0);
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-}
-
-static void row_i8_plain(const uint16_t *x, int64_t ldx, const int8_t *row, float *out,
-                         int64_t ldy, int M, int64_t K) {
-    for (int m = 0; m < M; m++) {
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++)
-            sum += bf16_to_f32(x[m * ldx + k]) * (float)row[k];
-        out[m * ldy] = sum;
-    }
-}
-
-/* int4 weights in groups (`group` values sharing one float scale, a multiple of 32): 32
- * values are 16 bytes, byte i holding values 2i (low nibble) and 2i + 1 (high), each + 8. They
- * are dotted with x deinterleaved per 32 values (x'[i] = x[2i], x'[16 + i] = x[2i + 1]), so
- * the low nibbles meet the first 16 and the high nibbles the last 16 without a shuffle. */
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline __m512bh widen_i4(const uint8_t *w) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    __m512i eight = _mm512_set1_epi32(8);
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)),
-                                                    eight));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline void row_i4_avx512(const uint16_t *x, int64_t ldx, const uint8_t *row,
-                                 const float *scales, int64_t group, float *out, int64_t ldy,
-                                 int M, int64_t K) {
-    __m512 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += group) {
-        __m512 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        int64_t end = g0 + group < K ? g0 + group : K;
-        for (int64_t k = g0; k < end; k += 32) {
-            __m512bh w = widen_i4(row + k / 2);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m],
-                                          (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w);
-        }
-        __m512 scale = _mm512_set1_ps(scales[g0 / group]);
-        for (int m = 0; m < M; m++) total[m] = _mm512_fmadd_ps(acc[m], scale, total[m]);
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = _mm512_reduce_add_ps(total[m]);
-}
-
-static void row_i4_plain(const uint16_t *x, int64_t ldx, const uint8_t *row,
-                         const float *scales, int64_t group, float *out, int64_t ldy, int M,
-                         int64_t K) {
-    for (int m = 0; m < M; m++) {
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) {      /* k indexes x' (deinterleaved) */
-            int64_t i = k % 32;
-            uint8_t byte = row[k / 32 * 16 + i % 16];
-            int v = (i < 16 ? byte & 15 : byte >> 4) - 8;
-            sum += bf16_to_f32(x[m * ldx + k]) * (float)v * scales[k / group];
-        }
-        out[m * ldy] = sum;
-    }
-}
-
-/* a row of x (K a multiple of 32) into the int4 kernels' order, in place */
-static void deinterleave32(uint16_t *x, int64_t K) {
-    uint16_t tmp[32];
-    for (int64_t c = 0; c < K; c += 32) {
-        for (int i = 0; i < 16; i++) {
-            tmp[i] = x[c + 2 * i];
-            tmp[16 + i] = x[c + 2 * i + 1];
-        }
-        memcpy(x + c, tmp, sizeof tmp);
-    }
+int mox_has_avx512vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
 
 enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4 };
+
+/* Activation rows [M, K] quantized: q (int4 pools: each block deinterleaved, lane i holding
+ * value 2i and lane 32 + i value 2i + 1, as the nibbles unpack), and per block its scale and
+ * scale * sum(q) (for the weights' offset). */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    float *sum;
+    int64_t K;
+} qrows_t;
+
+static void quantize_row(const uint16_t *x, int64_t K, int deinterleave, int8_t *q,
+                         float *scale, float *sum) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        float v[QBLOCK], amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            v[i] = bf16_to_f32(x[b * QBLOCK + i]);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int total = 0;
+        for (int i = 0; i < QBLOCK; i++) {
+            int lane = deinterleave ? (i % 2 ? QBLOCK / 2 + i / 2 : i / 2) : i;
+            int t = (int)lrintf(v[i] * inv);
+            q[b * QBLOCK + lane] = (int8_t)t;
+            total += t;
+        }
+        scale[b] = amax / 127.0f;
+        sum[b] = scale[b] * (float)total;
+    }
+}
+
+/* 64 weights as unsigned bytes: int8 + 128, or int4 nibbles (v + 8; low nibbles, then high) */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
+    if (kind == WEIGHTS_INT8)
+        return _mm512_xor_si512(_mm512_loadu_si512(row + k), _mm512_set1_epi8((char)0x80));
+    __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), low = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* one quantized weight row (K values; scales per `group` inputs, 0: one per row) against
+ * quantized x rows m0 .. m0 + M */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void row_q_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                       const float *wscale, int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
+    float offset = kind == WEIGHTS_INT8 ? 128.0f : 8.0f, corr[MAX_ROWS] = {0};
+    __m512 total[MAX_ROWS];
+    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += span) {
+        __m512 acc[MAX_ROWS];
+        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
+            __m512i w = weight_bytes(row, k, kind);
+            for (int m = 0; m < M; m++) {
+                int64_t b = (m0 + m) * nb + k / QBLOCK;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                                _mm512_loadu_si512(x->q + b * QBLOCK));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(x->scale[b]),
+                                         acc[m]);
+                block_sums[m] += x->sum[b];
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(ws), total[m]);
+            corr[m] += ws * block_sums[m];
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = _mm512_reduce_add_ps(total[m]) - offset * corr[m];
+}
+
+static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                        const float *wscale, int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, span = group ? group : K;
+    for (int m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            int64_t qb = (m0 + m) * (K / QBLOCK) + b;
+            int dot = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                int64_t k = b * QBLOCK + i;
+                uint8_t byte = row[(kind == WEIGHTS_INT8 ? k : b * QBLOCK / 2 + i % 32)];
+                int v = kind == WEIGHTS_INT8 ? (int8_t)byte
+                        : (i < QBLOCK / 2 ? byte & 15 : byte >> 4) - 8;
+                dot += v * x->q[qb * QBLOCK + i];
+            }
+            sum += wscale[b * QBLOCK / span] * x->scale[qb] * (float)dot;
+        }
+        out[m * ldy] = sum;
+    }
+}
 
 /* A slot pool as the MoE kernel reads it: slot s's rows [N, K] at w + s * stride elements
  * (bytes for int8 and int4); int8: `scale` one float per row, slot s's at
@@ -134,36 +134,40 @@ typedef struct {
     int64_t group;
 } pool_t;
 
-/* row n of slot s against `count` x rows */
-static void pool_rows_dot(const uint16_t *x, int64_t ldx, int64_t count, pool_t p, int64_t s,
-                          int64_t n, float *out, int64_t ldy, int64_t K, int fast) {
+/* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools, the
+ * quantized `qx` for quantized ones */
+static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
+                          pool_t p, int64_t s, int64_t n, float *out, int64_t ldy, int64_t K,
+                          int fast) {
     if (p.kind == WEIGHTS_BF16) {
-        rows_dot(x, ldx, count, (const uint16_t *)p.w + s * p.stride + n * K, out, ldy, K,
-                 fast);
+        rows_dot(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n * K, out,
+                 ldy, K, fast);
         return;
     }
+    int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;
+    const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
+    const float *wscale = p.scale + s * p.scale_stride + n * (p.group ? K / p.group : 1);
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        const uint16_t *xc = x + c * ldx;
-        float *oc = out + c * ldy;
-        if (p.kind == WEIGHTS_INT4) {
-            const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * (K / 2);
-            const float *scales = p.scale + s * p.scale_stride + n * (K / p.group);
-            if (fast)
-                row_i4_avx512(xc, ldx, row, scales, p.group, oc, ldy, m, K);
-            else
-                row_i4_plain(xc, ldx, row, scales, p.group, oc, ldy, m, K);
-            continue;
-        }
-        const int8_t *row = (const int8_t *)p.w + s * p.stride + n * K;
         if (fast)
-            row_i8_avx512(xc, ldx, row, oc, ldy, m, K);
+            row_q_vnni(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
         else
-            row_i8_plain(xc, ldx, row, oc, ldy, m, K);
-        float scale = p.scale[s * p.scale_stride + n];
-        for (int j = 0; j < m; j++)
-            oc[j * ldy] *= scale;
+            row_q_plain(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
     }
+}
+
+static int qrows_alloc(qrows_t *q, int64_t rows, int64_t K) {
+    q->K = K;
+    q->q = malloc((size_t)(rows * K));
+    q->scale = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
+    q->sum = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
+    return q->q && q->scale && q->sum;
+}
+
+static void qrows_free(qrows_t *q) {
+    free(q->q);
+    free(q->scale);
+    free(q->sum);
 }
 
 /* The SiLU-gated experts of one MoE layer for a few rows each (decode), in one call.
@@ -177,25 +181,33 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
                     const int64_t *starts, const int64_t *counts, int64_t num_active,
                     const float *row_weights, int64_t H, int64_t I, float *gate_up,
                     uint16_t *act, float *down, int fast) {
+    int quantized = p13.kind != WEIGHTS_BF16, int4 = p13.kind == WEIGHTS_INT4;
     if (fast && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
         return -1;
-    if (p13.kind == WEIGHTS_INT4 && (H % 32 || I % 32 || p13.group % 32 || H % p13.group
-                                     || I % p13.group))
+    if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
+                      || (int4 && (p13.group % QBLOCK || H % p13.group || I % p13.group))))
         return -1;
     int64_t n13 = 2 * I, num_rows = 0;
     for (int64_t a = 0; a < num_active; a++)
         num_rows += counts[a];
+    qrows_t q13 = {0}, q2 = {0};
+    if (quantized && !(qrows_alloc(&q13, num_rows, H) && qrows_alloc(&q2, num_rows, I))) {
+        qrows_free(&q13);
+        qrows_free(&q2);
+        return -2;
+    }
     #pragma omp parallel
     {
-        if (p13.kind == WEIGHTS_INT4) {
+        if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
-                deinterleave32((uint16_t *)rows + p * H, H);
+                quantize_row(rows + p * H, H, int4, q13.q + p * H, q13.scale + p * (H / QBLOCK),
+                             q13.sum + p * (H / QBLOCK));
         }
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < num_active * n13; j++) {
             int64_t a = j / n13, n = j % n13;
-            pool_rows_dot(rows + starts[a] * H, H, counts[a], p13, slots[a], n,
+            pool_rows_dot(rows, &q13, starts[a], counts[a], p13, slots[a], n,
                           gate_up + starts[a] * n13 + n, n13, H, fast);
         }
         #pragma omp for schedule(static)
@@ -204,20 +216,23 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
             float g = gate_up[p * n13 + i], u = gate_up[p * n13 + I + i];
             act[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
         }
-        if (p2.kind == WEIGHTS_INT4) {
+        if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
-                deinterleave32(act + p * I, I);
+                quantize_row(act + p * I, I, int4, q2.q + p * I, q2.scale + p * (I / QBLOCK),
+                             q2.sum + p * (I / QBLOCK));
         }
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < num_active * H; j++) {
             int64_t a = j / H, h = j % H;
             float *out = down + starts[a] * H + h;
-            pool_rows_dot(act + starts[a] * I, I, counts[a], p2, slots[a], h, out, H, I, fast);
+            pool_rows_dot(act, &q2, starts[a], counts[a], p2, slots[a], h, out, H, I, fast);
             for (int64_t c = 0; c < counts[a]; c++)
                 out[c * H] *= row_weights[starts[a] + c];
         }
     }
+    qrows_free(&q13);
+    qrows_free(&q2);
     return 0;
 }
 
@@ -234,7 +249,7 @@ int mox_moe_silu_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
 
 /* Quantized slot pools: int8 (`group` 0) with one float32 scale per output row, w13's at
  * sc13 + s * ss13 ([2I]), w2's at sc2 + s * ss2 ([H]); or int4 in groups of `group` inputs
- * ([2I, H / group], [H, I / group]), which permutes `rows` in place (deinterleave32). */
+ * ([2I, H / group], [H, I / group]). H, I and the group: multiples of 64. */
 int mox_moe_silu_quantized(const uint16_t *rows, const void *w13, int64_t s13,
                            const float *sc13, int64_t ss13, const void *w2, int64_t s2,
                            const float *sc2, int64_t ss2, int64_t group, const int64_t *slots,
