@@ -18,7 +18,8 @@ import torch
 
 from .activation import ACTIVATIONS, CLAMPED_SWIGLU, SILU, SWIGLU_ALPHA, SWIGLU_LIMIT, Activation
 from .moe_config import MoEKernelConfig, get_config
-from .moe_torch import NOT_RESIDENT, MoEWorkspace, fused_moe_torch, reference_fused_moe
+from .moe_reference import reference_fused_moe
+from .moe_torch import NOT_RESIDENT, MoEWorkspace, fused_moe_torch
 from .moe_triton import fused_moe_triton, is_interpreter
 from .quant import ExpertScales, WeightFormat, dequantize, quantize
 from .routing import (

@@ -22,10 +22,9 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import SILU, Activation
-from .quant import ExpertScales, dequantize_experts
+from .moe_reference import NOT_RESIDENT, SILU_ACTIVATION
+from .quant import INT8_PER_CHANNEL, ExpertScales, dequantize_experts
 
-NOT_RESIDENT = -1
-SILU_ACTIVATION = Activation(SILU)
 # Above this many rows per active expert the per-slot loop wins over grouped_mm on CPU.
 GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
 # torch's CPU grouped_mm visits every group, empty or not (a few small ops each): it pays only
@@ -34,6 +33,9 @@ GROUPED_MM_MIN_ACTIVE_FRACTION = 0.5
 # Up to this many rows per active expert (decode), the native kernel reads each expert once at
 # the full read rate; past it the GEMMs' arithmetic dominates and torch's paths win.
 NATIVE_MAX_ROWS_PER_EXPERT = 16
+# Int8 experts up to this many rows each go through torch's int8 weight-only GEMM; above it
+# dequantizing to bf16 then one GEMM wins (bench/results/quant_kernels.md).
+INT8PACK_MAX_ROWS_PER_EXPERT = 128
 
 
 @dataclass
@@ -68,8 +70,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     adds several calls (waves) and must round once to get the same result as one call.
     `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
     routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per channel
-    and int4 per group go through the native kernel for decode, the rest is dequantized
-    first."""
+    and int4 per group go through the native kernel for decode, int8 through torch's int8
+    GEMM up to a few dozen rows an expert, the rest is dequantized first."""
     out_dtype = out_dtype or x.dtype
     experts = _Experts(w13, w2, activation, b13, b2, scales)
     ws = workspace or MoEWorkspace()
@@ -103,8 +105,10 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out.index_add_(0, token_of, contrib)
         return out.to(out_dtype)
     if scales is not None:            # prefill rows: the GEMMs' arithmetic dominates
-        return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
-    if (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
+        if not _takes_int8pack(x, experts, num_rows, len(active)):
+            return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
+        down = _int8pack_experts(rows, experts, [(s, num_per_slot[s]) for s in active], ws)
+    elif (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
         row_slots = slots[order] if experts.has_bias else None                # [P']
@@ -173,6 +177,36 @@ def _dequantized(x: torch.Tensor, experts: _Experts, topk_weights: torch.Tensor,
     b13, b2 = (None, None) if not experts.has_bias else (experts.b13[used], experts.b2[used])
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, remap[slot_of.long() + 1], ws,
                            out_dtype, experts.activation, b13, b2)
+
+
+def _takes_int8pack(x: torch.Tensor, experts: _Experts, num_rows: int,
+                    num_active: int) -> bool:
+    """torch's int8 weight-only CPU GEMM serves int8-per-channel experts of a few dozen rows
+    each (bench/results/quant_kernels.md: at 64 rows 0.49x bf16's speed, dequantizing 0.37x;
+    at 256 dequantizing wins)."""
+    return (experts.scales.fmt == INT8_PER_CHANNEL and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16 and not experts.has_bias
+            and experts.activation.kind == SILU and hasattr(torch, "_weight_int8pack_mm")
+            and num_rows <= INT8PACK_MAX_ROWS_PER_EXPERT * num_active)
+
+
+def _int8pack_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int, int]],
+                      ws: MoEWorkspace) -> torch.Tensor:
+    """`runs`: (slot, number of rows) of each active slot, in row order -> `[P', H]`."""
+    num_slots, inter = experts.w13.shape[0], experts.inter
+    scale13 = experts.scales.w13.reshape(num_slots, 2 * inter)            # [S, 2I]
+    scale2 = experts.scales.w2.reshape(num_slots, -1)                      # [S, H]
+    down = ws.get("down", rows.shape[0], scale2.shape[1], rows.dtype, rows.device)
+    start = 0
+    for slot, length in runs:
+        end = start + length
+        gate_up = torch._weight_int8pack_mm(rows[start:end], experts.w13[slot],
+                                            scale13[slot].to(rows.dtype))
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        down[start:end] = torch._weight_int8pack_mm(act, experts.w2[slot],
+                                                    scale2[slot].to(rows.dtype))
+        start = end
+    return down
 
 
 def _native_one_token(x: torch.Tensor, experts: _Experts, weights: torch.Tensor,
@@ -253,26 +287,3 @@ def _looped_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int,
             down[start:end] += experts.b2[slot]
         start = end
     return down
-
-
-def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        slot_of: torch.Tensor, activation: Activation = SILU_ACTIVATION,
-                        b13: torch.Tensor | None = None,
-                        b2: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain definition, token by token, in fp32: what every backend must equal."""
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            slot = int(slot_of[int(topk_ids[t, j])])
-            if slot == NOT_RESIDENT:
-                continue
-            gate_up = w13[slot].float() @ x[t].float()
-            if b13 is not None:
-                gate_up = gate_up + b13[slot].float()
-            down = w2[slot].float() @ activation(gate_up[:inter], gate_up[inter:])
-            if b2 is not None:
-                down = down + b2[slot].float()
-            out[t] += topk_weights[t, j].float() * down
-    return out.to(x.dtype)

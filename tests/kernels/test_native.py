@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mox.kernels import moe_torch, native, native_build
-from mox.kernels.moe_torch import fused_moe_torch, reference_fused_moe
+from mox.kernels.moe_reference import reference_fused_moe
+from mox.kernels.moe_torch import fused_moe_torch
 
 NATIVE = native.kernels()
 PATHS = [pytest.param(False, id="plain"),

@@ -144,6 +144,25 @@ def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, m
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks it")
+def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
+    hidden, inter = 128, 64
+    x, w13, w2, weights, ids, slot_of = make_problem(64, hidden, inter, num_experts=4, k=2,
+                                                     num_slots=6, dtype=torch.float32, seed=7,
+                                                     num_missing=1)      # ~40 rows an expert
+    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
+    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(6), torch.float32)
+    want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
+    calls = []
+    original = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda *a: calls.append(1) or original(*a))
+    got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
+                    out_dtype=torch.float32)
+    assert calls, "int8 prefill rows did not take torch's int8 GEMM"
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
                                  pytest.param(WeightFormat("int4", 1, 64), id="int4-g64")])
