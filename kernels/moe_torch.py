@@ -77,7 +77,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ws = workspace or MoEWorkspace()
     native_experts = (not experts.has_bias and activation.kind == SILU
                       and native.takes_experts(x, w13, w2, scales))
-    if scales is not None and not native_experts:
+    if scales is not None and not native_experts and (
+            topk_ids.shape[0] == 1 or scales.fmt != INT8_PER_CHANNEL):   # (int8: see below)
         return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
     if topk_ids.shape[0] == 1:
         slots = slot_of[topk_ids[0].long()].tolist()

@@ -69,7 +69,7 @@ class NativeKernels:
         norm.restype = ctypes.c_int
         self._norm = norm
         self.fast = bool(self._lib.mox_has_avx512bf16())
-        self.fast_quantized = self.fast and bool(self._lib.mox_has_avx512vnni())
+        self.fast_quantized = bool(self._lib.mox_has_avx512vnni())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
@@ -123,6 +123,8 @@ class NativeKernels:
                 rows.data_ptr(), w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
                 w2.data_ptr(), w2.stride(0), s2.data_ptr(), s2.stride(0),
                 scales.fmt.block_cols, *tail)
+        if status == -2:
+            raise MemoryError("moe_silu could not allocate its quantized activations")
         if status != 0:
             raise ValueError(f"moe_silu refused H={hidden} I={inter} fast={fast}")
         return down
@@ -188,9 +190,11 @@ def torch_paths():
         _OFF.reset(token)
 
 
-def _fast() -> bool:
+def _fast(quantized: bool = False) -> bool:
+    """The fast path serves here: AVX512-BF16 for bf16 weights, AVX512-VNNI for quantized."""
     native = kernels()
-    return native is not None and native.fast and not _OFF.get()
+    return (native is not None and not _OFF.get()
+            and (native.fast_quantized if quantized else native.fast))
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -247,8 +251,8 @@ def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     AVX512-VNNI)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
     multiple = K_MULTIPLE if scales is None else max(QUANT_BLOCK, scales.fmt.block_cols)
-    return (_fast() and rows.device.type == "cpu" and rows.dtype == torch.bfloat16
-            and (scales is None or kernels().fast_quantized) and _native_format(scales)
+    return (_fast(quantized=scales is not None) and rows.device.type == "cpu"
+            and rows.dtype == torch.bfloat16 and _native_format(scales)
             and hidden % multiple == 0 and inter % multiple == 0)
 
 

@@ -4,7 +4,8 @@ than the last-level cache holds (each call reads its expert from memory), 2 thre
 
   bf16             the bf16 expert: the native kernel (M <= 16, as mox routes decode) or
                    torch.mm (prefill)
-  int8 native      mox's native kernel over int8 rows (scales applied to the sums)
+  int8 native      mox's native kernel (activations quantized to int8 per 64, AVX512-VNNI);
+                   its call here also pays the set-up a serving layer shares among k experts
   int8 pack_mm     torch._weight_int8pack_mm (bf16 activations, int8 weights, bf16 scales)
   int8 dequant+mm  dequantize the expert to bf16 (mox.kernels.quant), then torch.mm
   int4 native      mox's native kernel over int4 rows in groups of 128

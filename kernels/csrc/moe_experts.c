@@ -182,7 +182,7 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
                     const float *row_weights, int64_t H, int64_t I, float *gate_up,
                     uint16_t *act, float *down, int fast) {
     int quantized = p13.kind != WEIGHTS_BF16, int4 = p13.kind == WEIGHTS_INT4;
-    if (fast && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
+    if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
         return -1;
     if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
                       || (int4 && (p13.group % QBLOCK || H % p13.group || I % p13.group))))
