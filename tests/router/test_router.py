@@ -112,8 +112,10 @@ def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     # room for a and b at their run sizes, but not for c's (every expert: its curve is
     # unknown) beside their working sets (4 each)
     router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=20)
-    # long enough to still run at the turn however many steps it took while b loaded
-    router.add_request(Request("a-1", "a", [3, 4, 5], _params(60)))
+    # long enough to still run at the turn however many steps it took while b loaded (b's
+    # load runs on its own thread in real time, a decodes meanwhile: 60 tokens were sometimes
+    # done before the turn, and a with no work is no victim)
+    router.add_request(Request("a-1", "a", [3, 4, 5], _params(200)))
     router.add_request(Request("b-long", "b", [3, 4, 5], _params(240)))    # near the context
     _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 3
          and len(outs.get("b-long", [])) >= 3)
