@@ -58,6 +58,20 @@ def _quantized_pool(w13: torch.Tensor, w2: torch.Tensor, fmt: WeightFormat):
     return data13, data2, ExpertScales(fmt, scale13, scale2)
 
 
+def _quantized_problem(fmt, num_tokens: int, hidden: int, inter: int, num_experts: int,
+                       num_slots: int, seed: int, num_missing: int):
+    """A fused-MoE problem over a quantized pool: (x, weights, ids, slot_of), the stored
+    pool (data13, data2, scales) and its dequantized values (dq13, dq2) for the reference."""
+    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts,
+                                                     k=2, num_slots=num_slots,
+                                                     dtype=torch.float32, seed=seed,
+                                                     num_missing=num_missing)
+    data13, data2, scales = _quantized_pool(w13, w2, fmt)
+    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(num_slots),
+                                   torch.float32)
+    return (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows, cols", [(1, 2), (200, 72), (128, 256), (131, 390)])
 def test_round_trip_error_is_within_half_a_step(fmt, rows, cols):
@@ -103,12 +117,9 @@ def test_fp8_block_scales_multiply():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, dtype):
     hidden, inter = (160, 72) if fmt.block_rows > 1 or fmt.block_cols else (96, 64)
-    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
-                                                     k=2, num_slots=10, dtype=torch.float32,
-                                                     seed=num_tokens, num_missing=2)
-    data13, data2, scales = _quantized_pool(w13, w2, fmt)
-    all_slots = torch.arange(w13.shape[0])
-    dq13, dq2 = dequantize_experts(data13, data2, scales, all_slots, torch.float32)
+    (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
+        fmt, num_tokens, hidden, inter, num_experts=8, num_slots=10, seed=num_tokens,
+        num_missing=2)
     want = reference_fused_moe(x.to(dtype), dq13, dq2, weights, ids, slot_of).float()
     got = fused_moe(x.to(dtype), data13, data2, weights, ids, slot_of, scales=scales,
                     out_dtype=torch.float32)
@@ -128,11 +139,8 @@ NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])
 def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, monkeypatch):
     hidden, inter = 256, 128
-    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
-                                                     k=2, num_slots=8, dtype=torch.float32,
-                                                     seed=3, num_missing=1)
-    data13, data2, scales = _quantized_pool(w13, w2, fmt)
-    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(8), torch.float32)
+    (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
+        fmt, num_tokens, hidden, inter, num_experts=8, num_slots=8, seed=3, num_missing=1)
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
     calls = []
     original = NATIVE.moe_silu
@@ -147,11 +155,9 @@ def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, m
 @pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks it")
 def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
     hidden, inter = 128, 64
-    x, w13, w2, weights, ids, slot_of = make_problem(64, hidden, inter, num_experts=4, k=2,
-                                                     num_slots=6, dtype=torch.float32, seed=7,
-                                                     num_missing=1)      # ~40 rows an expert
-    data13, data2, scales = _quantized_pool(w13, w2, INT8_PER_CHANNEL)
-    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(6), torch.float32)
+    (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
+        INT8_PER_CHANNEL, 64, hidden, inter, num_experts=4, num_slots=6, seed=7,
+        num_missing=1)                                                   # ~40 rows an expert
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
     calls = []
     original = torch._weight_int8pack_mm
@@ -211,11 +217,8 @@ def test_triton_dequantizes_inside_the_k_loop(fmt, num_tokens, monkeypatch):
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     hidden, inter = 160, 72
-    x, w13, w2, weights, ids, slot_of = make_problem(num_tokens, hidden, inter, num_experts=8,
-                                                     k=2, num_slots=10, dtype=torch.float32,
-                                                     seed=5, num_missing=2)
-    data13, data2, scales = _quantized_pool(w13, w2, fmt)
-    dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(10), torch.float32)
+    (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
+        fmt, num_tokens, hidden, inter, num_experts=8, num_slots=10, seed=5, num_missing=2)
     want = reference_fused_moe(x, dq13, dq2, weights, ids, slot_of)
     on = lambda t: t.to(device)
     got = fused_moe_triton(on(x), on(data13), on(data2), on(weights), on(ids), on(slot_of),
