@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from mox.errors import InvalidRequestError
+from mox.kernels.quant import IMPORT_FORMATS
 
 DEFAULT_POLICIES = ("rate", "lru", "model-swap", "all-resident")
 # Per mode: models, preset, request rate, duration, lengths (mean, cv, min, max), skews, SLO.
@@ -118,7 +119,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--home", help="where the models are built (default MOX_HOME)")
     bench.add_argument("--host-memory", help="RAM cache of expert bytes per server (off)")
     bench.add_argument("--kv-memory", default="512MiB")
-    bench.add_argument("--quantize", choices=("int8", "int4", "fp8"),
+    bench.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
                        help="serve the models with their experts quantized (built once under "
                             "--home); the budget stays the bf16 models'")
     bench.set_defaults(func=_bench)
