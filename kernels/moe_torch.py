@@ -100,7 +100,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     active = [slot for slot, n in enumerate(num_per_slot) if n]
     lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
     if native_experts and num_rows <= NATIVE_MAX_ROWS_PER_EXPERT * len(active):
-        contrib = _native_experts(rows, experts, active, [num_per_slot[s] for s in active],
+        contrib = _native_experts(rows, experts, [(s, num_per_slot[s]) for s in active],
                                   topk_weights.reshape(-1)[order], ws)
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, contrib)
@@ -219,20 +219,16 @@ def _native_one_token(x: torch.Tensor, experts: _Experts, weights: torch.Tensor,
         return torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
     rows = ws.get("rows", len(resident), x.shape[1], x.dtype, x.device)
     rows.copy_(x.expand(len(resident), x.shape[1]))
-    down = _native_experts(rows, experts, [slots[j] for j in resident], [1] * len(resident),
-                           weights[resident], ws)
+    if len(resident) < len(slots):
+        weights = weights[resident]
+    down = _native_experts(rows, experts, [(slots[j], 1) for j in resident], weights, ws)
     return down.sum(0, keepdim=True)
 
 
-def _native_experts(rows: torch.Tensor, experts: _Experts, active: list[int],
-                    counts: list[int], row_weights: torch.Tensor,
-                    ws: MoEWorkspace) -> torch.Tensor:
-    """The native kernel over every active slot at once (`counts`: their rows, in order):
-    `[P', H]` f32, rows weighted."""
-    starts = [0]
-    for n in counts[:-1]:
-        starts.append(starts[-1] + n)
-    runs = [torch.tensor(v, dtype=torch.int64) for v in (active, starts, counts)]
+def _native_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int, int]],
+                    row_weights: torch.Tensor, ws: MoEWorkspace) -> torch.Tensor:
+    """The native kernel over every active slot at once (`runs`: (slot, number of rows) of
+    each, in row order): `[P', H]` f32, rows weighted."""
     num_rows, hidden, inter = rows.shape[0], rows.shape[1], experts.inter
     scratch = [ws.get("gate_up", num_rows, 2 * inter, torch.float32, rows.device),
                ws.get("act", num_rows, inter, torch.bfloat16, rows.device),

@@ -1,5 +1,5 @@
 """The CPU decode kernels of `csrc/` (bf16_gemv.c, moe_experts.c, decode_attention.c,
-rms_norm.c), built at first use (`native_build`) and called through ctypes.
+rms_norm.c, rope_kv.c), built at first use (`native_build`) and called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import itertools
 import os
 
 import torch
@@ -68,6 +69,12 @@ class NativeKernels:
                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
         norm.restype = ctypes.c_int
         self._norm = norm
+        rope = self._lib.mox_rope_kv_bf16
+        rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
+                         + [ctypes.c_int64] * 7 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+                         + [ctypes.c_int64])
+        rope.restype = ctypes.c_int
+        self._rope = rope
         self.fast = bool(self._lib.mox_has_avx512bf16())
         self.fast_quantized = bool(self._lib.mox_has_avx512vnni())
 
@@ -95,25 +102,32 @@ class NativeKernels:
         return out
 
     def moe_silu(self, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 runs: list[torch.Tensor], row_weights: torch.Tensor,
+                 runs: list[tuple[int, int]], row_weights: torch.Tensor,
                  scratch: list[torch.Tensor], fast: bool = True,
                  scales: ExpertScales | None = None) -> torch.Tensor:
         """SiLU-gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
         `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or stored as `scales`
         says (int8 per channel, int4 in groups; met by activations quantized to int8 in
-        blocks of QUANT_BLOCK); `runs`:
-        three int64 `[A]` tensors, the slot, first row and number of rows of each active
-        slot; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16
-        and the result `[P, H]` f32, each row scaled by its routing weight, which is
+        blocks of QUANT_BLOCK); `runs`: (slot, number of rows) of each active slot, in row
+        order; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]`
+        bf16 and the result `[P, H]` f32, each row scaled by its routing weight, which is
         returned."""
         _check_experts(rows, w13, w2, scratch, scales)
         hidden, inter = rows.shape[1], w13.shape[1] // 2
-        slots, starts, counts = (r.to(torch.int64).contiguous() for r in runs)
+        if sum(count for _, count in runs) != rows.shape[0] or any(
+                not 0 <= slot < w13.shape[0] for slot, _ in runs):
+            raise ValueError("moe_silu's runs must cover its rows, in slots of its pools")
+        # slots, first rows, counts: int64 arrays the C code reads (no tensors built per call)
+        num_active, starts = len(runs), itertools.accumulate(
+            (count for _, count in runs[:-1]), initial=0)
+        table = (ctypes.c_int64 * (3 * num_active))(
+            *(slot for slot, _ in runs), *starts, *(count for _, count in runs))
+        slots_ptr = ctypes.addressof(table)
         row_weights = row_weights.to(torch.float32).contiguous()
         gate_up, act, down = scratch
-        tail = (slots.data_ptr(), starts.data_ptr(), counts.data_ptr(), slots.shape[0],
-                row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(), act.data_ptr(),
-                down.data_ptr(), int(fast))
+        tail = (slots_ptr, slots_ptr + 8 * num_active, slots_ptr + 16 * num_active,
+                num_active, row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(),
+                act.data_ptr(), down.data_ptr(), int(fast))
         if scales is None:
             status = self._moe(rows.data_ptr(), w13.data_ptr(), w13.stride(0), w2.data_ptr(),
                                w2.stride(0), *tail)
@@ -169,6 +183,34 @@ class NativeKernels:
                       out.stride(0), x.shape[0], x.shape[1], eps) != 0:
             raise ValueError(f"rms_norm refused {tuple(x.shape)}")
         return out
+
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor], rotary_dim: int, interleaved: bool,
+                keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotate q `[T, h, d]` and k `[T, h_kv, d]` (bf16) in place by their tokens' cos, sin
+        `[T, 1, r]` (float32), as `Rotary.rotate` does, then store k and v `[T, h_kv, dv]` at
+        flat `slots [T]` of a layer's `keys [N, h_kv, d]`, `values [N, h_kv, dv]`."""
+        cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in tables)
+        num_tokens, heads, dim = q.shape
+        kv_heads, value_dim = k.shape[1], v.shape[2]
+        for t in (q, k, v, keys, values):
+            if t.dtype != torch.bfloat16 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError("rope_kv takes bf16 rows contiguous per head")
+        if (k.shape != (num_tokens, kv_heads, dim) or v.shape[:2] != (num_tokens, kv_heads)
+                or keys.shape[1:] != k.shape[1:] or values.shape[1:] != v.shape[1:]
+                or values.shape[0] != keys.shape[0] or not keys.is_contiguous()
+                or not values.is_contiguous() or cos.shape != (num_tokens, rotary_dim)
+                or sin.shape != cos.shape or cos.dtype != torch.float32
+                or sin.dtype != torch.float32 or slots.shape != (num_tokens,)):
+            raise ValueError("rope_kv's queries, keys, values, tables and store disagree")
+        slots = slots.to(torch.int64).contiguous()
+        if self._rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                      v.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_tokens,
+                      heads, kv_heads, dim, value_dim, rotary_dim, int(interleaved),
+                      keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
+                      keys.shape[0]) != 0:
+            raise ValueError(f"rope_kv refused r={rotary_dim} d={dim} or a slot outside "
+                             f"the store's {keys.shape[0]}")
 
 
 @functools.cache
@@ -267,6 +309,13 @@ def takes_attention(q: torch.Tensor, kv) -> bool:
     """Whether `decode_attention`'s fast path serves these queries over store `kv` here."""
     return (_fast() and q.device.type == "cpu" and q.dtype == torch.bfloat16
             and kv.dtype == torch.bfloat16)
+
+
+def takes_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv) -> bool:
+    """Whether `rope_kv` serves these bf16 heads over store `kv` here (plain C: any CPU the
+    library builds on)."""
+    return (kernels() is not None and not _OFF.get() and q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == kv.dtype == torch.bfloat16)
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

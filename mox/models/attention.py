@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mox.kernels import native
 from mox.loaders.spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
 from mox.models.attend import attend
 from mox.models.forward_batch import ForwardBatch
@@ -49,7 +50,22 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
     v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == QK_NORM_PER_HEAD:
         q, k = rms_norm(q, w.q_norm, spec.rms_norm_eps), rms_norm(k, w.k_norm, spec.rms_norm_eps)
-    q, k = rotary.apply(q, k, batch.rotary_tables(rotary))
-    batch.kv.write(layer, batch.slot_mapping, k, v)
+    q = _rotate_and_store(rotary, batch, layer, q, k, v)
     out = attend(batch, layer, q, spec.sliding_windows[layer], sinks=w.sinks)   # [T, h, d]
     return linear(out.reshape(num_tokens, spec.num_heads * spec.head_dim), w.o, w.o_bias)
+
+
+def _rotate_and_store(rotary: Rotary, batch: ForwardBatch, layer: int, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, then k and v into the batch's KV store; returns the rotated q. One
+    native call on a CPU (bf16, rotating in place), else the reference rotation and an
+    indexed copy."""
+    tables = batch.rotary_tables(rotary)
+    if native.takes_rope(q, k, v, batch.kv):
+        keys, values = batch.kv.rows(layer)
+        native.kernels().rope_kv(q, k, v, tables, rotary.rope.rotary_dim,
+                                 rotary.rope.interleaved, keys, values, batch.slot_mapping)
+        return q
+    q, k = rotary.apply(q, k, tables)
+    batch.kv.write(layer, batch.slot_mapping, k, v)
+    return q

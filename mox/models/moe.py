@@ -74,7 +74,8 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
     waits for reads, the block yields them to its driver (mox.pager.pending)."""
     topk_weights, topk_ids = route(spec, w, x)                            # [T, k]
     out = None
-    for lease in experts.wave_steps(w.moe_layer, topk_ids.unique().tolist()):
+    # (the pager takes each expert once: a host list is cheaper than a device unique())
+    for lease in experts.wave_steps(w.moe_layer, topk_ids.view(-1).tolist()):
         if isinstance(lease, ReadsPending):
             yield lease
             continue

@@ -11,6 +11,8 @@ import torch
 from mox.kernels import moe_torch, native, native_build
 from mox.kernels.moe_reference import reference_fused_moe
 from mox.kernels.moe_torch import fused_moe_torch
+from mox.loaders.rope import RopeSpec
+from mox.models.rotary import Rotary
 
 NATIVE = native.kernels()
 PATHS = [pytest.param(False, id="plain"),
@@ -61,8 +63,7 @@ def test_moe_silu_matches_the_reference(fast, counts):
     num_rows = sum(counts)
     rows = _bf16(num_rows, hidden, seed=8)
     weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(9))
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    runs = [torch.tensor(v) for v in (slots, starts, counts)]
+    runs = list(zip(slots, counts))
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
@@ -214,3 +215,32 @@ def test_an_unwritable_cache_means_no_native_kernels(tmp_path, monkeypatch):
     blocker.write_text("")                             # a file where the cache folder would go
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     assert native_build.build(native_build.SOURCE_DIR) is None
+
+
+@pytest.mark.parametrize("rope", [
+    RopeSpec(theta=10000.0, rotary_dim=64),                            # halves, whole head
+    RopeSpec(theta=500000.0, rotary_dim=32),                           # halves, part of it
+    RopeSpec(theta=10000.0, rotary_dim=64, interleaved=True)])         # DeepSeek's pairs
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_rope_kv_equals_the_reference_rotation_and_store(rope, num_tokens):
+    """Rotated q and k bit for bit as `Rotary.rotate` gives them, and k, v stored at their
+    slots (the rest of the store untouched); a slot outside the store is refused unwritten."""
+    heads, kv_heads, dim = 4, 2, 64
+    rotary = Rotary(rope, torch.device("cpu"))
+    positions = torch.arange(3, 3 + num_tokens) * 37
+    tables = rotary.tables(positions, int(positions.max()))
+    q, k, v = (_bf16(num_tokens, n, dim, seed=s) for s, n in ((1, heads), (2, kv_heads),
+                                                               (3, kv_heads)))
+    want_q, want_k = rotary.rotate(q, tables), rotary.rotate(k, tables)
+    keys, values = _bf16(40, kv_heads, dim, seed=4), _bf16(40, kv_heads, dim, seed=5)
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(6))[:num_tokens]
+    want_keys, want_values = keys.clone(), values.clone()
+    want_keys[slots], want_values[slots] = want_k, v
+    NATIVE.rope_kv(q, k, v, tables, rope.rotary_dim, rope.interleaved, keys, values, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    before = keys.clone()
+    with pytest.raises(ValueError, match="outside"):
+        NATIVE.rope_kv(q, k, v, tables, rope.rotary_dim, rope.interleaved, keys, values,
+                       torch.full((num_tokens,), 40))
+    assert torch.equal(keys, before)

@@ -183,12 +183,11 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     num_rows = sum(counts)
     rows = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
     row_weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(5))
-    starts = [0, 2, 3]
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
     got = NATIVE.moe_silu(rows, data13, data2,
-                          [torch.tensor(v) for v in (slots, starts, counts)], row_weights,
+                          list(zip(slots, counts)), row_weights,
                           scratch, fast=fast, scales=scales)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
