@@ -4,8 +4,8 @@ rms_norm.c, rope_kv.c), built at first use (`native_build`) and called through c
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
 (bench/results/read_rate.md). `gemv_bf16(x, w)` reads `w` in place at the full rate;
-`moe_silu` reads a MoE layer's experts so, bf16, int8 or int4 (a half or a quarter of the
-bytes).
+`moe_silu` reads a MoE layer's experts so, bf16, int8, int4 or MXFP4 (a half or a quarter
+of the bytes).
 
 The shared library is compiled with the system C compiler into a per-user cache, keyed by the
 sources' hash; without a compiler or a writable cache, on a CPU without AVX512-BF16, or with
@@ -25,11 +25,13 @@ import os
 import torch
 
 from .native_build import SOURCE_DIR, build
-from .quant import INT4, INT8, ExpertScales
+from .quant import INT4, INT8, MXFP4, ExpertScales
 
-MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
+MAX_ROWS = 32           # x rows per call (decode: sequences); more rows go to torch's GEMMs
 K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
 QUANT_BLOCK = 64        # quantized experts: activations share one int8 scale per 64 values
+MXFP4_GROUP = 32        # MXFP4's scales: one per 32 values (the kernel takes no other)
+_C_KINDS = {INT8: 1, INT4: 2, MXFP4: 3}     # moe_experts.c's weight kinds
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -51,7 +53,7 @@ class NativeKernels:
         moe.restype = ctypes.c_int
         self._moe = moe
         moe_q = self._lib.mox_moe_silu_quantized
-        moe_q.argtypes = ([ctypes.c_void_p] + [ctypes.c_void_p, ctypes.c_int64] * 4
+        moe_q.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int64] * 4
                           + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64,
                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
                           + [ctypes.c_void_p] * 3 + [ctypes.c_int])
@@ -80,7 +82,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
-        """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
+        """`x [M, K]` bf16 (M <= MAX_ROWS; the plain path: 8), `w [N, K]` bf16 with unit stride along K ->
         `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
                 or w.stride(1) != 1 or w.shape[1] != x.shape[1]
@@ -107,7 +109,7 @@ class NativeKernels:
                  scales: ExpertScales | None = None) -> torch.Tensor:
         """SiLU-gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
         `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or stored as `scales`
-        says (int8 per channel, int4 in groups; met by activations quantized to int8 in
+        says (int8 per channel, int4 or MXFP4 in groups; met by activations quantized to int8 in
         blocks of QUANT_BLOCK); `runs`: (slot, number of rows) of each active slot, in row
         order; `row_weights [P]` float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]`
         bf16 and the result `[P, H]` f32, each row scaled by its routing weight, which is
@@ -134,7 +136,7 @@ class NativeKernels:
         else:
             s13, s2 = scales.w13, scales.w2
             status = self._moe_quantized(
-                rows.data_ptr(), w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
+                rows.data_ptr(), _C_KINDS[scales.fmt.kind], w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
                 w2.data_ptr(), w2.stride(0), s2.data_ptr(), s2.stride(0),
                 scales.fmt.block_cols, *tail)
         if status == -2:
@@ -265,8 +267,8 @@ def _check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
     if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
             or not _native_format(scales)):
-        raise ValueError(f"moe_silu takes bf16 rows and bf16, int8 per channel or int4 "
-                         f"group-wise weights, got {w13.dtype}")
+        raise ValueError(f"moe_silu takes bf16 rows and bf16, int8 per channel, int4 or "
+                         f"MXFP4 group-wise weights, got {w13.dtype}")
     if scales is not None and (
             scales.w13.shape[1:] != (2, *scales.fmt.scale_shape(inter, hidden))
             or scales.w2.shape[1:] != scales.fmt.scale_shape(hidden, inter)
@@ -277,14 +279,15 @@ def _check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _native_format(scales: ExpertScales | None) -> bool:
-    """bf16 (no scales), int8 per output row, or int4 in groups of a multiple of
-    QUANT_BLOCK."""
+    """bf16 (no scales), int8 per output row, int4 in groups of a multiple of QUANT_BLOCK, or
+    MXFP4 (groups of 32)."""
     if scales is None:
         return True
     fmt = scales.fmt
     return fmt.block_rows == 1 and (
         (fmt.kind == INT8 and fmt.block_cols == 0)
-        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0))
+        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0)
+        or (fmt.kind == MXFP4 and fmt.block_cols == MXFP4_GROUP))
 
 
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

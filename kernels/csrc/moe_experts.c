@@ -1,12 +1,12 @@
-/* The SiLU-gated experts of one MoE layer for decode, over bf16, int8 or int4 slot pools:
+/* The SiLU-gated experts of one MoE layer for decode, over bf16, int8, int4 or MXFP4 slot pools:
  * each weight row read once, in place, in memory order, so an expert costs its stored bytes.
  * bf16 pools use the GEMVs' inner loops (rows.h). Quantized pools meet activations quantized
  * here to int8 in blocks of 64 (one float scale each, as llama.cpp's Q8 activations): one
  * AVX512-VNNI instruction multiplies 64 weight bytes by 64 activation bytes, where widening
  * the weights to bf16 took six instructions per 32 and left decode compute-bound. VPDPBUSD
  * takes unsigned bytes on one side: int8 weights are flipped to w + 128, int4 nibbles are
- * stored as v + 8, and the offset times the activations' block sums is subtracted once per
- * row. Built with bf16_gemv.c into one library (mox/kernels/native.py); the plain-C paths
+ * stored as v + 8, MXFP4 codes looked up as 2v + 12 (quant_rows.h), and the offset times
+ * the activations' block sums is subtracted once per row. Built with bf16_gemv.c into one library (mox/kernels/native.py); the plain-C paths
  * compute the same sums everywhere.
  */
 #include <immintrin.h>
@@ -17,114 +17,16 @@
 
 #include "bf16.h"
 #include "rows.h"
-
-#define QBLOCK 64              /* activation values sharing one scale */
+#include "quant_rows.h"
 
 int mox_has_avx512vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
 
-enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4 };
-
-/* Activation rows [M, K] quantized: q (int4 pools: each block deinterleaved, lane i holding
- * value 2i and lane 32 + i value 2i + 1, as the nibbles unpack), and per block its scale and
- * scale * sum(q) (for the weights' offset). */
-typedef struct {
-    int8_t *q;
-    float *scale;
-    float *sum;
-    int64_t K;
-} qrows_t;
-
-static void quantize_row(const uint16_t *x, int64_t K, int deinterleave, int8_t *q,
-                         float *scale, float *sum) {
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        float v[QBLOCK], amax = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) {
-            v[i] = bf16_to_f32(x[b * QBLOCK + i]);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
-        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int total = 0;
-        for (int i = 0; i < QBLOCK; i++) {
-            int lane = deinterleave ? (i % 2 ? QBLOCK / 2 + i / 2 : i / 2) : i;
-            int t = (int)lrintf(v[i] * inv);
-            q[b * QBLOCK + lane] = (int8_t)t;
-            total += t;
-        }
-        scale[b] = amax / 127.0f;
-        sum[b] = scale[b] * (float)total;
-    }
-}
-
-/* 64 weights as unsigned bytes: int8 + 128, or int4 nibbles (v + 8; low nibbles, then high) */
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
-    if (kind == WEIGHTS_INT8)
-        return _mm512_xor_si512(_mm512_loadu_si512(row + k), _mm512_set1_epi8((char)0x80));
-    __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), low = _mm256_set1_epi8(15);
-    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-/* one quantized weight row (K values; scales per `group` inputs, 0: one per row) against
- * quantized x rows m0 .. m0 + M */
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void row_q_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                       const float *wscale, int64_t group, float *out, int64_t ldy) {
-    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
-    float offset = kind == WEIGHTS_INT8 ? 128.0f : 8.0f, corr[MAX_ROWS] = {0};
-    __m512 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += span) {
-        __m512 acc[MAX_ROWS];
-        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
-            __m512i w = weight_bytes(row, k, kind);
-            for (int m = 0; m < M; m++) {
-                int64_t b = (m0 + m) * nb + k / QBLOCK;
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                                _mm512_loadu_si512(x->q + b * QBLOCK));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(x->scale[b]),
-                                         acc[m]);
-                block_sums[m] += x->sum[b];
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(ws), total[m]);
-            corr[m] += ws * block_sums[m];
-        }
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = _mm512_reduce_add_ps(total[m]) - offset * corr[m];
-}
-
-static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                        const float *wscale, int64_t group, float *out, int64_t ldy) {
-    int64_t K = x->K, span = group ? group : K;
-    for (int m = 0; m < M; m++) {
-        float sum = 0.0f;
-        for (int64_t b = 0; b < K / QBLOCK; b++) {
-            int64_t qb = (m0 + m) * (K / QBLOCK) + b;
-            int dot = 0;
-            for (int i = 0; i < QBLOCK; i++) {
-                int64_t k = b * QBLOCK + i;
-                uint8_t byte = row[(kind == WEIGHTS_INT8 ? k : b * QBLOCK / 2 + i % 32)];
-                int v = kind == WEIGHTS_INT8 ? (int8_t)byte
-                        : (i < QBLOCK / 2 ? byte & 15 : byte >> 4) - 8;
-                dot += v * x->q[qb * QBLOCK + i];
-            }
-            sum += wscale[b * QBLOCK / span] * x->scale[qb] * (float)dot;
-        }
-        out[m * ldy] = sum;
-    }
-}
-
 /* A slot pool as the MoE kernel reads it: slot s's rows [N, K] at w + s * stride elements
- * (bytes for int8 and int4); int8: `scale` one float per row, slot s's at
- * scale + s * scale_stride; int4: K / group floats per row. */
+ * (bytes for quantized pools); int8: `scale` one float per row, slot s's at
+ * scale + s * scale_stride; int4 and MXFP4: K / group floats per row. */
 typedef struct {
     const void *w;
     int64_t stride;
@@ -144,30 +46,18 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
                  ldy, K, fast);
         return;
     }
-    int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;
+    int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;          /* else two a byte */
     const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
     const float *wscale = p.scale + s * p.scale_stride + n * (p.group ? K / p.group : 1);
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        if (fast)
+        if (fast && p.kind == WEIGHTS_MXFP4)
+            row_mx_vnni(qx, first + c, m, row, wscale, out + c * ldy, ldy);
+        else if (fast)
             row_q_vnni(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
         else
             row_q_plain(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
     }
-}
-
-static int qrows_alloc(qrows_t *q, int64_t rows, int64_t K) {
-    q->K = K;
-    q->q = malloc((size_t)(rows * K));
-    q->scale = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
-    q->sum = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
-    return q->q && q->scale && q->sum;
-}
-
-static void qrows_free(qrows_t *q) {
-    free(q->q);
-    free(q->scale);
-    free(q->sum);
 }
 
 /* The SiLU-gated experts of one MoE layer for a few rows each (decode), in one call.
@@ -181,11 +71,14 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
                     const int64_t *starts, const int64_t *counts, int64_t num_active,
                     const float *row_weights, int64_t H, int64_t I, float *gate_up,
                     uint16_t *act, float *down, int fast) {
-    int quantized = p13.kind != WEIGHTS_BF16, int4 = p13.kind == WEIGHTS_INT4;
+    int quantized = p13.kind != WEIGHTS_BF16;
+    int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
         return -1;
     if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
-                      || (int4 && (p13.group % QBLOCK || H % p13.group || I % p13.group))))
+                      || (p13.kind == WEIGHTS_INT4 && (p13.group % QBLOCK || H % p13.group
+                                                       || I % p13.group))
+                      || (p13.kind == WEIGHTS_MXFP4 && p13.group != 32)))
         return -1;
     int64_t n13 = 2 * I, num_rows = 0;
     for (int64_t a = 0; a < num_active; a++)
@@ -201,8 +94,8 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
         if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
-                quantize_row(rows + p * H, H, int4, q13.q + p * H, q13.scale + p * (H / QBLOCK),
-                             q13.sum + p * (H / QBLOCK));
+                quantize_row(rows + p * H, H, packed, q13.q + p * H,
+                             q13.scale + p * (H / QBLOCK), q13.sum32 + p * (H / 32));
         }
         /* gate row i and up row I + i together, then their activations at once: no pass
          * (and barrier) of its own for the SiLU; each thread reads two streams in order */
@@ -221,8 +114,8 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
         if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
-                quantize_row(act + p * I, I, int4, q2.q + p * I, q2.scale + p * (I / QBLOCK),
-                             q2.sum + p * (I / QBLOCK));
+                quantize_row(act + p * I, I, packed, q2.q + p * I, q2.scale + p * (I / QBLOCK),
+                             q2.sum32 + p * (I / 32));
         }
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < num_active * H; j++) {
@@ -249,16 +142,18 @@ int mox_moe_silu_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
                     gate_up, act, down, fast);
 }
 
-/* Quantized slot pools: int8 (`group` 0) with one float32 scale per output row, w13's at
- * sc13 + s * ss13 ([2I]), w2's at sc2 + s * ss2 ([H]); or int4 in groups of `group` inputs
- * ([2I, H / group], [H, I / group]). H, I and the group: multiples of 64. */
-int mox_moe_silu_quantized(const uint16_t *rows, const void *w13, int64_t s13,
+/* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4): int8 with one float32 scale per
+ * output row, w13's at sc13 + s * ss13 ([2I]), w2's at sc2 + s * ss2 ([H]); int4 in groups of
+ * `group` inputs ([2I, H / group], [H, I / group]), a multiple of 64; MXFP4 in groups of 32.
+ * H and I: multiples of 64. */
+int mox_moe_silu_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
                            const float *sc13, int64_t ss13, const void *w2, int64_t s2,
                            const float *sc2, int64_t ss2, int64_t group, const int64_t *slots,
                            const int64_t *starts, const int64_t *counts, int64_t num_active,
                            const float *row_weights, int64_t H, int64_t I, float *gate_up,
                            uint16_t *act, float *down, int fast) {
-    int kind = group ? WEIGHTS_INT4 : WEIGHTS_INT8;
+    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_MXFP4)
+        return -1;
     pool_t p13 = {w13, s13, kind, sc13, ss13, group}, p2 = {w2, s2, kind, sc2, ss2, group};
     return moe_silu(rows, p13, p2, slots, starts, counts, num_active, row_weights, H, I,
                     gate_up, act, down, fast);

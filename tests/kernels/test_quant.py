@@ -130,7 +130,8 @@ def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, d
 
 NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
                   pytest.param(INT4_GROUP128, id="int4-g128"),
-                  pytest.param(WeightFormat("int4", 1, 64), id="int4-g64")]
+                  pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
+                  pytest.param(MXFP4_GROUP32, id="mxfp4")]
 
 
 @pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
@@ -171,7 +172,8 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
 
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
-                                 pytest.param(WeightFormat("int4", 1, 64), id="int4-g64")])
+                                 pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
+                                 pytest.param(MXFP4_GROUP32, id="mxfp4")])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
     NATIVE is None or not NATIVE.fast_quantized, reason="this CPU has no AVX512-VNNI"))])
 def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):

@@ -1,0 +1,179 @@
+/* Quantized weight rows against activations quantized to int8 (the MoE kernel's inner loops
+ * for int8, int4 and MXFP4 slot pools, moe_experts.c): activations in blocks of QBLOCK values
+ * with one float scale each; VPDPBUSD multiplies 64 unsigned weight bytes by 64 signed
+ * activation bytes, so weights are held as unsigned values with an offset (int8: w + 128,
+ * int4: v + 8 as stored, MXFP4: 2v + 12 from its E2M1 codes), the offset's share subtracted
+ * from the sums.
+ */
+#ifndef MOX_QUANT_ROWS_H
+#define MOX_QUANT_ROWS_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "rows.h"
+
+#define QBLOCK 64              /* activation values sharing one scale */
+
+enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_MXFP4 };
+
+/* Activation rows [M, K] quantized: q (packed pools: each block deinterleaved, lane i holding
+ * value 2i and lane 32 + i value 2i + 1, as the nibbles unpack), per block its scale, and per
+ * 32 values (in the row's order: MXFP4 scales groups of 32) scale * sum(q), for the weights'
+ * offset. */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    float *sum32;
+    int64_t K;
+} qrows_t;
+
+static void quantize_row(const uint16_t *x, int64_t K, int deinterleave, int8_t *q,
+                         float *scale, float *sum32) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        float v[QBLOCK], amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            v[i] = bf16_to_f32(x[b * QBLOCK + i]);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int total[2] = {0, 0};
+        for (int i = 0; i < QBLOCK; i++) {
+            int lane = deinterleave ? (i % 2 ? QBLOCK / 2 + i / 2 : i / 2) : i;
+            int t = (int)lrintf(v[i] * inv);
+            q[b * QBLOCK + lane] = (int8_t)t;
+            total[i / 32] += t;
+        }
+        scale[b] = amax / 127.0f;
+        sum32[2 * b] = scale[b] * (float)total[0];
+        sum32[2 * b + 1] = scale[b] * (float)total[1];
+    }
+}
+
+/* An E2M1 code (sign, 2 exponent bits, 1 mantissa bit) as the unsigned byte 2v + 12. */
+static const uint8_t MXFP4_BYTES[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                        12, 11, 10, 9, 8, 6, 4, 0};
+#define MXFP4_OFFSET 12
+
+/* 64 weights as unsigned bytes: int8 + 128, int4 nibbles (v + 8; low nibbles, then high), or
+ * MXFP4 codes mapped to 2v + 12 */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
+    if (kind == WEIGHTS_INT8)
+        return _mm512_xor_si512(_mm512_loadu_si512(row + k), _mm512_set1_epi8((char)0x80));
+    __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), low = _mm256_set1_epi8(15);
+    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    if (kind == WEIGHTS_INT4)
+        return nibbles;
+    __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_BYTES));
+    return _mm512_shuffle_epi8(table, nibbles);          /* a table lookup per byte */
+}
+
+/* one MXFP4 weight row (K values, a scale per 32) against quantized x rows m0 .. m0 + M: a
+ * block of 64 holds two groups, whose dot products land in alternate quarters of the
+ * VPDPBUSD result (groups' values deinterleaved as the nibbles unpack), so the scales go on
+ * as one vector */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void row_mx_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
+                        const float *wscale, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK;
+    float corr[MAX_ROWS] = {0};
+    __m512 acc[MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += QBLOCK) {
+        __m512i w = weight_bytes(row, k, WEIGHTS_MXFP4);
+        float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];
+        __m512 scales = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+        for (int m = 0; m < M; m++) {
+            int64_t b = (m0 + m) * nb + k / QBLOCK;
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                            _mm512_loadu_si512(x->q + b * QBLOCK));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                                     _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b])), acc[m]);
+            corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];
+        }
+    }
+    for (int m = 0; m < M; m++)             /* the bytes held 2v: halve */
+        out[m * ldy] = 0.5f * (_mm512_reduce_add_ps(acc[m]) - MXFP4_OFFSET * corr[m]);
+}
+
+/* one quantized weight row (K values; scales per `group` inputs, 0: one per row) against
+ * quantized x rows m0 .. m0 + M */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void row_q_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                       const float *wscale, int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
+    float offset = kind == WEIGHTS_INT8 ? 128.0f : 8.0f, corr[MAX_ROWS] = {0};
+    __m512 total[MAX_ROWS];
+    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += span) {
+        __m512 acc[MAX_ROWS];
+        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
+            __m512i w = weight_bytes(row, k, kind);
+            for (int m = 0; m < M; m++) {
+                int64_t b = (m0 + m) * nb + k / QBLOCK;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                                _mm512_loadu_si512(x->q + b * QBLOCK));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(x->scale[b]),
+                                         acc[m]);
+                block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(ws), total[m]);
+            corr[m] += ws * block_sums[m];
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = _mm512_reduce_add_ps(total[m]) - offset * corr[m];
+}
+
+/* the stored weight at lane i of block b (packed: deinterleaved as the activations), as an
+ * integer: int8 and int4 values, MXFP4's 2v */
+static inline int plain_weight(const uint8_t *row, int64_t b, int i, int kind) {
+    if (kind == WEIGHTS_INT8)
+        return (int8_t)row[b * QBLOCK + i];
+    uint8_t byte = row[b * QBLOCK / 2 + i % 32];
+    int code = i < QBLOCK / 2 ? byte & 15 : byte >> 4;
+    return kind == WEIGHTS_INT4 ? code - 8 : MXFP4_BYTES[code] - MXFP4_OFFSET;
+}
+
+static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                        const float *wscale, int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, span = group ? group : K;
+    for (int m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            int64_t qb = (m0 + m) * (K / QBLOCK) + b;
+            for (int i = 0; i < QBLOCK; i++) {
+                /* lane i's value in the row: itself, or (packed) 2i / 2(i - 32) + 1 */
+                int64_t k = b * QBLOCK + (kind == WEIGHTS_INT8 ? i : i < 32 ? 2 * i
+                                          : 2 * (i - 32) + 1);
+                sum += wscale[k / span] * x->scale[qb]
+                       * (float)(plain_weight(row, b, i, kind) * x->q[qb * QBLOCK + i]);
+            }
+        }
+        out[m * ldy] = kind == WEIGHTS_MXFP4 ? 0.5f * sum : sum;
+    }
+}
+
+static int qrows_alloc(qrows_t *q, int64_t rows, int64_t K) {
+    q->K = K;
+    q->q = malloc((size_t)(rows * K));
+    q->scale = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
+    q->sum32 = malloc(sizeof(float) * (size_t)(rows * K / 32));
+    return q->q && q->scale && q->sum32;
+}
+
+static void qrows_free(qrows_t *q) {
+    free(q->q);
+    free(q->scale);
+    free(q->sum32);
+}
+
+#endif
