@@ -69,14 +69,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """`out_dtype` (default x's): float32 keeps the fp32 sum unrounded, for a caller that
     adds several calls (waves) and must round once to get the same result as one call.
     `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
-    routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per channel
-    and int4 per group go through the native kernel for decode, int8 through torch's int8
-    GEMM up to a few dozen rows an expert, the rest is dequantized first."""
+    routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per channel,
+    int4 and MXFP4 per group go through the native kernel for decode, int8 through torch's
+    int8 GEMM up to a few dozen rows an expert, the rest is dequantized first."""
     out_dtype = out_dtype or x.dtype
     experts = _Experts(w13, w2, activation, b13, b2, scales)
     ws = workspace or MoEWorkspace()
-    native_experts = (not experts.has_bias and activation.kind == SILU
-                      and native.takes_experts(x, w13, w2, scales))
+    native_experts = native.takes_experts(x, w13, w2, scales, b13)
     if scales is not None and not native_experts and (
             topk_ids.shape[0] == 1 or scales.fmt != INT8_PER_CHANNEL):   # (int8: see below)
         return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
@@ -233,8 +232,10 @@ def _native_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int,
     scratch = [ws.get("gate_up", num_rows, 2 * inter, torch.float32, rows.device),
                ws.get("act", num_rows, inter, torch.bfloat16, rows.device),
                ws.get("contrib", num_rows, hidden, torch.float32, rows.device)]
-    return native.kernels().moe_silu(rows, experts.w13, experts.w2, runs, row_weights, scratch,
-                                     scales=experts.scales)
+    return native.kernels().moe_experts(rows, experts.w13, experts.w2, runs, row_weights,
+                                        scratch, scales=experts.scales,
+                                        activation=experts.activation, b13=experts.b13,
+                                        b2=experts.b2)
 
 
 def _mv(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def native_call(x, w13, w2, slot, scales=None):
     m = rows.shape[0]
     scratch = [torch.empty(m, 2 * INTER), torch.empty(m, INTER, dtype=torch.bfloat16),
                torch.empty(m, HIDDEN)]
-    return native.kernels().moe_silu(rows, w13, w2, [(slot, m)], torch.ones(m), scratch,
+    return native.kernels().moe_experts(rows, w13, w2, [(slot, m)], torch.ones(m), scratch,
                                      scales=scales)
 
 

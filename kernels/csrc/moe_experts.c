@@ -1,4 +1,4 @@
-/* The SiLU-gated experts of one MoE layer for decode, over bf16, int8, int4 or MXFP4 slot pools:
+/* The gated experts of one MoE layer for decode, over bf16, int8, int4 or MXFP4 slot pools:
  * each weight row read once, in place, in memory order, so an expert costs its stored bytes.
  * bf16 pools use the GEMVs' inner loops (rows.h). Quantized pools meet activations quantized
  * here to int8 in blocks of 64 (one float scale each, as llama.cpp's Q8 activations): one
@@ -36,6 +36,30 @@ typedef struct {
     int64_t group;
 } pool_t;
 
+/* What sits between and after an expert's two GEMMs beyond SiLU: per-slot bf16 biases (added
+ * before the activation and before the routing weight) and GPT-OSS's clamped SwiGLU, as
+ * mox/kernels/activation.py defines it. NULL: SiLU, no biases. */
+typedef struct {
+    const uint16_t *b13;          /* [S, 2I] at b13 + s * b13_stride, or NULL */
+    int64_t b13_stride;
+    const uint16_t *b2;           /* [S, H], or NULL */
+    int64_t b2_stride;
+    int clamped;                  /* 1: clamped SwiGLU (alpha, limit); 0: SiLU */
+    float alpha, limit;
+} gating_t;
+
+static inline float bias_at(const uint16_t *b, int64_t stride, int64_t s, int64_t i) {
+    return b ? bf16_to_f32(b[s * stride + i]) : 0.0f;
+}
+
+static inline float activate(const gating_t *g, float gate, float up) {
+    if (!g->clamped)
+        return gate / (1.0f + expf(-gate)) * up;
+    gate = fminf(gate, g->limit);
+    up = fminf(fmaxf(up, -g->limit), g->limit);
+    return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
+}
+
 /* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools, the
  * quantized `qx` for quantized ones */
 static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
@@ -60,17 +84,20 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
     }
 }
 
-/* The SiLU-gated experts of one MoE layer for a few rows each (decode), in one call.
+/* The gated experts of one MoE layer for a few rows each (decode), in one call.
  * `rows` [P, H] bf16: the tokens' hidden states gathered and sorted by slot; active slot a
  * owns rows [starts[a], starts[a] + counts[a]). Weights read in place from the slot pools:
  * w13 slot s ([2I, H]: gate rows, then up rows), w2 ([H, I]).
- * Out: `down` [P, H] f32 = row_weight * (silu(gate) * up) @ w2[s]^T. Scratch: `gate_up`
+ * Out: `down` [P, H] f32 = row_weight * (act(gate, up) @ w2[s]^T (+ b2)); act: SiLU(gate) * up
+ * or the clamped SwiGLU, on gate_up (+ b13) (`gating`, NULL: SiLU). Scratch: `gate_up`
  * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, split across
  * the threads; the activation is rounded to bf16 once, as the down projection reads it. */
-static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *slots,
-                    const int64_t *starts, const int64_t *counts, int64_t num_active,
-                    const float *row_weights, int64_t H, int64_t I, float *gate_up,
-                    uint16_t *act, float *down, int fast) {
+static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
+                       const int64_t *slots, const int64_t *starts, const int64_t *counts,
+                       int64_t num_active, const float *row_weights, int64_t H, int64_t I,
+                       float *gate_up, uint16_t *act, float *down, int fast) {
+    static const gating_t silu = {0};
+    const gating_t *g = gating ? gating : &silu;
     int quantized = p13.kind != WEIGHTS_BF16;
     int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
@@ -106,10 +133,11 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
             pool_rows_dot(rows, &q13, first, counts[a], p13, slots[a], i, gate, n13, H, fast);
             pool_rows_dot(rows, &q13, first, counts[a], p13, slots[a], I + i, up, n13, H,
                           fast);
-            for (int64_t c = 0; c < counts[a]; c++) {
-                float g = gate[c * n13], u = up[c * n13];
-                act[(first + c) * I + i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
-            }
+            float bg = bias_at(g->b13, g->b13_stride, slots[a], i);
+            float bu = bias_at(g->b13, g->b13_stride, slots[a], I + i);
+            for (int64_t c = 0; c < counts[a]; c++)
+                act[(first + c) * I + i] = f32_to_bf16(activate(g, gate[c * n13] + bg,
+                                                                up[c * n13] + bu));
         }
         if (quantized) {
             #pragma omp for schedule(static)
@@ -122,8 +150,9 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
             int64_t a = j / H, h = j % H;
             float *out = down + starts[a] * H + h;
             pool_rows_dot(act, &q2, starts[a], counts[a], p2, slots[a], h, out, H, I, fast);
+            float bias = bias_at(g->b2, g->b2_stride, slots[a], h);
             for (int64_t c = 0; c < counts[a]; c++)
-                out[c * H] *= row_weights[starts[a] + c];
+                out[c * H] = (out[c * H] + bias) * row_weights[starts[a] + c];
         }
     }
     qrows_free(&q13);
@@ -132,29 +161,31 @@ static int moe_silu(const uint16_t *rows, pool_t p13, pool_t p2, const int64_t *
 }
 
 /* bf16 slot pools: w13 slot s at w13 + s * s13, w2 at w2 + s * s2 (elements). */
-int mox_moe_silu_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
-                      const uint16_t *w2, int64_t s2, const int64_t *slots,
-                      const int64_t *starts, const int64_t *counts, int64_t num_active,
-                      const float *row_weights, int64_t H, int64_t I, float *gate_up,
-                      uint16_t *act, float *down, int fast) {
+int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
+                         const uint16_t *w2, int64_t s2, const gating_t *gating,
+                         const int64_t *slots, const int64_t *starts, const int64_t *counts,
+                         int64_t num_active, const float *row_weights, int64_t H, int64_t I,
+                         float *gate_up, uint16_t *act, float *down, int fast) {
     pool_t p13 = {w13, s13, WEIGHTS_BF16, 0, 0, 0}, p2 = {w2, s2, WEIGHTS_BF16, 0, 0, 0};
-    return moe_silu(rows, p13, p2, slots, starts, counts, num_active, row_weights, H, I,
-                    gate_up, act, down, fast);
+    return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
+                       H, I, gate_up, act, down, fast);
 }
 
 /* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4): int8 with one float32 scale per
  * output row, w13's at sc13 + s * ss13 ([2I]), w2's at sc2 + s * ss2 ([H]); int4 in groups of
  * `group` inputs ([2I, H / group], [H, I / group]), a multiple of 64; MXFP4 in groups of 32.
  * H and I: multiples of 64. */
-int mox_moe_silu_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
-                           const float *sc13, int64_t ss13, const void *w2, int64_t s2,
-                           const float *sc2, int64_t ss2, int64_t group, const int64_t *slots,
-                           const int64_t *starts, const int64_t *counts, int64_t num_active,
-                           const float *row_weights, int64_t H, int64_t I, float *gate_up,
-                           uint16_t *act, float *down, int fast) {
+int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
+                              const float *sc13, int64_t ss13, const void *w2, int64_t s2,
+                              const float *sc2, int64_t ss2, int64_t group,
+                              const gating_t *gating, const int64_t *slots,
+                              const int64_t *starts, const int64_t *counts,
+                              int64_t num_active, const float *row_weights, int64_t H,
+                              int64_t I, float *gate_up, uint16_t *act, float *down,
+                              int fast) {
     if (kind < WEIGHTS_INT8 || kind > WEIGHTS_MXFP4)
         return -1;
     pool_t p13 = {w13, s13, kind, sc13, ss13, group}, p2 = {w2, s2, kind, sc2, ss2, group};
-    return moe_silu(rows, p13, p2, slots, starts, counts, num_active, row_weights, H, I,
-                    gate_up, act, down, fast);
+    return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
+                       H, I, gate_up, act, down, fast);
 }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mox.kernels import moe_torch, native, native_build
+from mox.kernels.activation import CLAMPED_SWIGLU, SILU, Activation
 from mox.kernels.moe_reference import reference_fused_moe
 from mox.kernels.moe_torch import fused_moe_torch
 from mox.loaders.rope import RopeSpec
@@ -59,9 +60,13 @@ def _experts(num_slots: int, hidden: int, inter: int):
 
 @pytest.mark.parametrize("fast", PATHS)
 @pytest.mark.parametrize("counts", [[1], [2, 1, 3], [9, 1], [17, 4, 1, 1]])
-def test_moe_silu_matches_the_reference(fast, counts):
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu-biases"])
+def test_moe_experts_matches_the_reference(fast, counts, gpt_oss):
     hidden, inter, num_slots = 64, 96, 6
     w13, w2 = _experts(num_slots, hidden, inter)
+    activation = Activation(CLAMPED_SWIGLU, limit=0.5) if gpt_oss else Activation(SILU)
+    b13, b2 = ((_bf16(num_slots, 2 * inter, seed=10), _bf16(num_slots, hidden, seed=11))
+               if gpt_oss else (None, None))
     slots = [5, 0, 3, 2][:len(counts)]
     num_rows = sum(counts)
     rows = _bf16(num_rows, hidden, seed=8)
@@ -70,12 +75,17 @@ def test_moe_silu_matches_the_reference(fast, counts):
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
-    got = NATIVE.moe_silu(rows, w13, w2, runs, weights, scratch, fast=fast)
+    got = NATIVE.moe_experts(rows, w13, w2, runs, weights, scratch, fast=fast,
+                             activation=activation, b13=b13, b2=b2)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
     gate_up = torch.einsum("ph,pnh->pn", rows.float(), w13[slot_of_row].float())
-    act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).bfloat16()
-    want = torch.einsum("pi,phi->ph", act.float(), w2[slot_of_row].float()) * weights[:, None]
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+    if gpt_oss:                  # (a limit of 0.5 clamps a good share of these values)
+        gate_up += b13[slot_of_row].float()
+    act = activation(gate_up[:, :inter], gate_up[:, inter:]).bfloat16()
+    down = torch.einsum("pi,phi->ph", act.float(), w2[slot_of_row].float())
+    if gpt_oss:
+        down += b2[slot_of_row].float()
+    torch.testing.assert_close(got, down * weights[:, None], rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])

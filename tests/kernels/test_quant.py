@@ -144,8 +144,8 @@ def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, m
         fmt, num_tokens, hidden, inter, num_experts=8, num_slots=8, seed=3, num_missing=1)
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
     calls = []
-    original = NATIVE.moe_silu
-    monkeypatch.setattr(NATIVE, "moe_silu", lambda *a, **kw: calls.append(1) or original(
+    original = NATIVE.moe_experts
+    monkeypatch.setattr(NATIVE, "moe_experts", lambda *a, **kw: calls.append(1) or original(
         *a, **kw))
     got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
                     out_dtype=torch.float32)
@@ -188,7 +188,7 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
-    got = NATIVE.moe_silu(rows, data13, data2,
+    got = NATIVE.moe_experts(rows, data13, data2,
                           list(zip(slots, counts)), row_weights,
                           scratch, fast=fast, scales=scales)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
