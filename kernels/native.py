@@ -24,16 +24,20 @@ import os
 
 import torch
 
+from .activation import Activation
 from .native_build import SOURCE_DIR, build
-from .activation import SILU, Activation
-from .quant import INT4, INT8, MXFP4, ExpertScales
+from .native_moe import (
+    C_KINDS,
+    K_MULTIPLE,
+    QUANT_BLOCK,
+    SILU_GATE,
+    check_experts,
+    gating,
+    native_format,
+)
+from .quant import FP8, ExpertScales
 
 MAX_ROWS = 32           # x rows per call (decode: sequences); more rows go to torch's GEMMs
-K_MULTIPLE = 32         # the fast path reads 32 bf16 at a time
-QUANT_BLOCK = 64        # quantized experts: activations share one int8 scale per 64 values
-MXFP4_GROUP = 32        # MXFP4's scales: one per 32 values (the kernel takes no other)
-_C_KINDS = {INT8: 1, INT4: 2, MXFP4: 3}     # moe_experts.c's weight kinds
-SILU_GATE = Activation(SILU)
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -56,7 +60,7 @@ class NativeKernels:
         self._moe = moe
         moe_q = self._lib.mox_moe_experts_quantized
         moe_q.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int64] * 4
-                          + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64,
+                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64,
                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
                           + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         moe_q.restype = ctypes.c_int
@@ -84,8 +88,8 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
-        """`x [M, K]` bf16 (M <= MAX_ROWS; the plain path: 8), `w [N, K]` bf16 with unit stride along K ->
-        `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
+        """`x [M, K]` bf16 (M <= MAX_ROWS; the plain path: 8), `w [N, K]` bf16 with unit
+        stride along K -> `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
                 or w.stride(1) != 1 or w.shape[1] != x.shape[1]
                 or out_dtype not in (torch.float32, torch.bfloat16)):
@@ -119,12 +123,12 @@ class NativeKernels:
         each active slot, in row order; `row_weights [P]` float32; `scratch`: gate_up
         `[P, 2I]` f32, act `[P, I]` bf16 and the result `[P, H]` f32, each row scaled by its
         routing weight, which is returned."""
-        _check_experts(rows, w13, w2, scratch, scales)
+        check_experts(rows, w13, w2, scratch, scales)
         hidden, inter = rows.shape[1], w13.shape[1] // 2
         if sum(count for _, count in runs) != rows.shape[0] or any(
                 not 0 <= slot < w13.shape[0] for slot, _ in runs):
             raise ValueError("moe_experts' runs must cover its rows, in slots of its pools")
-        gating = _gating(activation, b13, b2, w13.shape[0], hidden, inter)
+        gates = gating(activation, b13, b2, w13.shape[0], hidden, inter)
         # slots, first rows, counts: int64 arrays the C code reads (no tensors built per call)
         num_active, starts = len(runs), itertools.accumulate(
             (count for _, count in runs[:-1]), initial=0)
@@ -133,7 +137,7 @@ class NativeKernels:
         slots_ptr = ctypes.addressof(table)
         row_weights = row_weights.to(torch.float32).contiguous()
         gate_up, act, down = scratch
-        tail = (gating, slots_ptr, slots_ptr + 8 * num_active, slots_ptr + 16 * num_active,
+        tail = (gates, slots_ptr, slots_ptr + 8 * num_active, slots_ptr + 16 * num_active,
                 num_active, row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(),
                 act.data_ptr(), down.data_ptr(), int(fast))
         if scales is None:
@@ -142,9 +146,10 @@ class NativeKernels:
         else:
             s13, s2 = scales.w13, scales.w2
             status = self._moe_quantized(
-                rows.data_ptr(), _C_KINDS[scales.fmt.kind], w13.data_ptr(), w13.stride(0), s13.data_ptr(), s13.stride(0),
-                w2.data_ptr(), w2.stride(0), s2.data_ptr(), s2.stride(0),
-                scales.fmt.block_cols, *tail)
+                rows.data_ptr(), C_KINDS[scales.fmt.kind], w13.data_ptr(), w13.stride(0),
+                s13.data_ptr(), s13.stride(0), w2.data_ptr(), w2.stride(0), s2.data_ptr(),
+                s2.stride(0),
+                scales.fmt.block_cols, scales.fmt.block_rows, *tail)
         if status == -2:
             raise MemoryError("moe_experts could not allocate its quantized activations")
         if status != 0:
@@ -256,78 +261,16 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.stride(1) == 1 and w.stride(1) == 1)
 
 
-def _check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   scratch: list[torch.Tensor], scales: ExpertScales | None) -> None:
-    """What `moe_experts` hands the C code must be laid out as it reads it: a mismatch would
-    read or write out of bounds, so it raises here."""
-    (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
-    for t in (rows, w13, w2, *scratch):
-        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-            raise ValueError("moe_experts takes tensors contiguous per slot and per row")
-    stored = (lambda r, c: (r, c)) if scales is None else scales.fmt.stored_shape
-    if ([t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
-                                       (num_rows, hidden)]
-            or w13.shape[1:] != stored(2 * inter, hidden)
-            or w2.shape[1:] != stored(hidden, inter)):
-        raise ValueError("moe_experts' scratch and pools disagree with its rows")
-    weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
-    if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
-            or not _native_format(scales)):
-        raise ValueError(f"moe_experts takes bf16 rows and bf16, int8 per channel, int4 or "
-                         f"MXFP4 group-wise weights, got {w13.dtype}")
-    if scales is not None and (
-            scales.w13.shape[1:] != (2, *scales.fmt.scale_shape(inter, hidden))
-            or scales.w2.shape[1:] != scales.fmt.scale_shape(hidden, inter)
-            or scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32
-            or not (scales.w13[0].is_contiguous() and scales.w2[0].is_contiguous())):
-        raise ValueError("moe_experts takes float32 scales of the format's shape, contiguous "
-                         "per slot")
-
-
-class _Gating(ctypes.Structure):
-    """moe_experts.c's gating_t: biases and the activation between an expert's GEMMs."""
-
-    _fields_ = [("b13", ctypes.c_void_p), ("b13_stride", ctypes.c_int64),
-                ("b2", ctypes.c_void_p), ("b2_stride", ctypes.c_int64),
-                ("clamped", ctypes.c_int), ("alpha", ctypes.c_float),
-                ("limit", ctypes.c_float)]
-
-
-def _gating(activation: Activation, b13: torch.Tensor | None, b2: torch.Tensor | None,
-            num_slots: int, hidden: int, inter: int) -> _Gating | None:
-    """The C struct for these biases and activation (None: SiLU without biases)."""
-    if b13 is None and b2 is None and activation.kind == SILU:
-        return None
-    for bias, width in ((b13, 2 * inter), (b2, hidden)):
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1
-                                 or tuple(bias.shape) != (num_slots, width)):
-            raise ValueError(f"moe_experts takes bf16 biases [{num_slots}, {width}]")
-    def pointer(bias):
-        return (None, 0) if bias is None else (bias.data_ptr(), bias.stride(0))
-    return ctypes.byref(_Gating(*pointer(b13), *pointer(b2), int(activation.kind != SILU),
-                                activation.alpha, activation.limit))
-
-
-def _native_format(scales: ExpertScales | None) -> bool:
-    """bf16 (no scales), int8 per output row, int4 in groups of a multiple of QUANT_BLOCK, or
-    MXFP4 (groups of 32)."""
-    if scales is None:
-        return True
-    fmt = scales.fmt
-    return fmt.block_rows == 1 and (
-        (fmt.kind == INT8 and fmt.block_cols == 0)
-        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0)
-        or (fmt.kind == MXFP4 and fmt.block_cols == MXFP4_GROUP))
-
-
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales: ExpertScales | None = None, b13: torch.Tensor | None = None) -> bool:
-    """Whether `moe_experts`' fast path serves these experts here (quantized ones need
-    AVX512-VNNI; biases must be bf16)."""
+    """Whether `moe_experts`' fast path serves these experts here (int8, int4 and MXFP4 need
+    AVX512-VNNI, bf16 and FP8 AVX512-BF16; biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
-    multiple = K_MULTIPLE if scales is None else max(QUANT_BLOCK, scales.fmt.block_cols)
-    return (_fast(quantized=scales is not None) and rows.device.type == "cpu"
-            and rows.dtype == torch.bfloat16 and _native_format(scales)
+    integers = scales is not None and scales.fmt.kind != FP8      # activations to int8
+    multiple = max(QUANT_BLOCK if integers else K_MULTIPLE,
+                   0 if scales is None else scales.fmt.block_cols)
+    return (_fast(quantized=integers) and rows.device.type == "cpu"
+            and rows.dtype == torch.bfloat16 and native_format(scales)
             and (b13 is None or b13.dtype == torch.bfloat16)
             and hidden % multiple == 0 and inter % multiple == 0)
 

@@ -25,8 +25,8 @@ int mox_has_avx512vnni(void) {
 }
 
 /* A slot pool as the MoE kernel reads it: slot s's rows [N, K] at w + s * stride elements
- * (bytes for quantized pools); int8: `scale` one float per row, slot s's at
- * scale + s * scale_stride; int4 and MXFP4: K / group floats per row. */
+ * (bytes for quantized pools); scales at scale + s * scale_stride, one per `block_rows` rows
+ * of each part of `part_rows` (w13: gate's, then up's) and `group` inputs (0: the row). */
 typedef struct {
     const void *w;
     int64_t stride;
@@ -34,7 +34,17 @@ typedef struct {
     const float *scale;
     int64_t scale_stride;
     int64_t group;
+    int64_t block_rows;
+    int64_t part_rows;
 } pool_t;
+
+/* the scales of row n: its part's block of rows */
+static inline const float *row_scales(pool_t p, int64_t s, int64_t n, int64_t K) {
+    int64_t per_row = p.group ? K / p.group : 1;
+    int64_t blocks = (p.part_rows + p.block_rows - 1) / p.block_rows;
+    int64_t block = (n / p.part_rows) * blocks + (n % p.part_rows) / p.block_rows;
+    return p.scale + s * p.scale_stride + block * per_row;
+}
 
 /* What sits between and after an expert's two GEMMs beyond SiLU: per-slot bf16 biases (added
  * before the activation and before the routing weight) and GPT-OSS's clamped SwiGLU, as
@@ -70,9 +80,22 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
                  ldy, K, fast);
         return;
     }
-    int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;          /* else two a byte */
+    int64_t row_bytes = p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_FP8 ? K : K / 2;
     const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
-    const float *wscale = p.scale + s * p.scale_stride + n * (p.group ? K / p.group : 1);
+    const float *wscale = row_scales(p, s, n, K);
+    if (p.kind == WEIGHTS_FP8) {          /* bf16 activations, MAX_ROWS at a time */
+        for (int64_t c = 0; c < count; c += MAX_ROWS) {
+            int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
+            const uint16_t *xc = x + (first + c) * K;
+            if (fast)
+                row_fp8_avx512(xc, K, m, row, wscale, p.group ? p.group : K, K,
+                               out + c * ldy, ldy);
+            else
+                row_fp8_plain(xc, K, m, row, wscale, p.group ? p.group : K, K,
+                              out + c * ldy, ldy);
+        }
+        return;
+    }
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
         if (fast && p.kind == WEIGHTS_MXFP4)
@@ -98,9 +121,13 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
                        float *gate_up, uint16_t *act, float *down, int fast) {
     static const gating_t silu = {0};
     const gating_t *g = gating ? gating : &silu;
-    int quantized = p13.kind != WEIGHTS_BF16;
+    /* activations quantized to int8 for the integer formats */
+    int quantized = p13.kind != WEIGHTS_BF16 && p13.kind != WEIGHTS_FP8;
     int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
+        return -1;
+    if (p13.kind == WEIGHTS_FP8 && ((p13.group && p13.group % 32) || (p13.group && H % p13.group)
+                                    || (p2.group && I % p2.group)))
         return -1;
     if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
                       || (p13.kind == WEIGHTS_INT4 && (p13.group % QBLOCK || H % p13.group
@@ -166,26 +193,30 @@ int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
                          const int64_t *slots, const int64_t *starts, const int64_t *counts,
                          int64_t num_active, const float *row_weights, int64_t H, int64_t I,
                          float *gate_up, uint16_t *act, float *down, int fast) {
-    pool_t p13 = {w13, s13, WEIGHTS_BF16, 0, 0, 0}, p2 = {w2, s2, WEIGHTS_BF16, 0, 0, 0};
+    pool_t p13 = {w13, s13, WEIGHTS_BF16, 0, 0, 0, 1, 1}, p2 = p13;
+    p2.w = w2;
+    p2.stride = s2;
     return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
                        H, I, gate_up, act, down, fast);
 }
 
-/* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4): int8 with one float32 scale per
- * output row, w13's at sc13 + s * ss13 ([2I]), w2's at sc2 + s * ss2 ([H]); int4 in groups of
- * `group` inputs ([2I, H / group], [H, I / group]), a multiple of 64; MXFP4 in groups of 32.
- * H and I: multiples of 64. */
+/* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4, 4: FP8 E4M3): float32 scales, w13's
+ * at sc13 + s * ss13 ([2, ceil(I / block_rows), H / group]: gate's, then up's), w2's at
+ * sc2 + s * ss2 ([ceil(H / block_rows), I / group]); `group` 0: one per row. int8: per row;
+ * int4: groups of a multiple of 64; MXFP4: groups of 32; FP8: any blocks (`group` a multiple
+ * of 32). H and I: multiples of 64. */
 int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
                               const float *sc13, int64_t ss13, const void *w2, int64_t s2,
                               const float *sc2, int64_t ss2, int64_t group,
-                              const gating_t *gating, const int64_t *slots,
+                              int64_t block_rows, const gating_t *gating, const int64_t *slots,
                               const int64_t *starts, const int64_t *counts,
                               int64_t num_active, const float *row_weights, int64_t H,
                               int64_t I, float *gate_up, uint16_t *act, float *down,
                               int fast) {
-    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_MXFP4)
+    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_FP8 || block_rows < 1)
         return -1;
-    pool_t p13 = {w13, s13, kind, sc13, ss13, group}, p2 = {w2, s2, kind, sc2, ss2, group};
+    pool_t p13 = {w13, s13, kind, sc13, ss13, group, block_rows, I};
+    pool_t p2 = {w2, s2, kind, sc2, ss2, group, block_rows, H};
     return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
                        H, I, gate_up, act, down, fast);
 }

@@ -3,7 +3,8 @@
  * with one float scale each; VPDPBUSD multiplies 64 unsigned weight bytes by 64 signed
  * activation bytes, so weights are held as unsigned values with an offset (int8: w + 128,
  * int4: v + 8 as stored, MXFP4: 2v + 12 from its E2M1 codes), the offset's share subtracted
- * from the sums.
+ * from the sums. FP8 (E4M3) weights are not integers: they meet the bf16 activations as they
+ * are, each byte widened to bf16 in registers (its exponent rebiased) for AVX512-BF16.
  */
 #ifndef MOX_QUANT_ROWS_H
 #define MOX_QUANT_ROWS_H
@@ -17,7 +18,7 @@
 
 #define QBLOCK 64              /* activation values sharing one scale */
 
-enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_MXFP4 };
+enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_MXFP4, WEIGHTS_FP8 };
 
 /* Activation rows [M, K] quantized: q (packed pools: each block deinterleaved, lane i holding
  * value 2i and lane 32 + i value 2i + 1, as the nibbles unpack), per block its scale, and per
@@ -159,6 +160,63 @@ static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
             }
         }
         out[m * ldy] = kind == WEIGHTS_MXFP4 ? 0.5f * sum : sum;
+    }
+}
+
+/* E4M3 (bias 7) -> bf16 (bias 127): normals rebias the exponent (+120); subnormals m * 2^-9
+ * (m = 1..7) are normal bf16 values, looked up */
+static const uint16_t FP8_SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0,
+                                                0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+static inline uint16_t fp8_to_bf16(uint8_t v) {
+    uint16_t em = v & 0x7f, sign = (uint16_t)((v & 0x80) << 8);
+    return sign | (em < 8 ? FP8_SUBNORMAL_BF16[em] : (uint16_t)((em << 4) + (120 << 7)));
+}
+
+/* 32 FP8 weights as bf16 */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+static inline __m512bh fp8_as_bf16(const uint8_t *w) {
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
+    __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    __m512i sub = _mm512_permutexvar_epi16(em, _mm512_loadu_si512(FP8_SUBNORMAL_BF16));
+    __mmask32 tiny = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
+    return (__m512bh)_mm512_or_si512(sign, _mm512_mask_blend_epi16(tiny, normal, sub));
+}
+
+/* one FP8 weight row (K values, one scale per `span` of them) against bf16 x rows */
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+static void row_fp8_avx512(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
+                           const float *wscale, int64_t span, int64_t K, float *out,
+                           int64_t ldy) {
+    __m512 total[MAX_ROWS];
+    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += span) {
+        __m512 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + span; k += 32) {
+            __m512bh w = fp8_as_bf16(row + k);
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m],
+                                          (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w);
+        }
+        for (int m = 0; m < M; m++)
+            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(wscale[g0 / span]), total[m]);
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = _mm512_reduce_add_ps(total[m]);
+}
+
+static void row_fp8_plain(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
+                          const float *wscale, int64_t span, int64_t K, float *out,
+                          int64_t ldy) {
+    for (int m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++)
+            sum += wscale[k / span] * bf16_to_f32(x[m * ldx + k])
+                   * bf16_to_f32(fp8_to_bf16(row[k]));
+        out[m * ldy] = sum;
     }
 }
 

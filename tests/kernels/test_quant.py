@@ -131,7 +131,8 @@ def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, d
 NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
                   pytest.param(INT4_GROUP128, id="int4-g128"),
                   pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
-                  pytest.param(MXFP4_GROUP32, id="mxfp4")]
+                  pytest.param(MXFP4_GROUP32, id="mxfp4"),
+                  pytest.param(FP8_BLOCK128, id="fp8-b128")]
 
 
 @pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
@@ -173,12 +174,15 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
                                  pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
-                                 pytest.param(MXFP4_GROUP32, id="mxfp4")])
+                                 pytest.param(MXFP4_GROUP32, id="mxfp4"),
+                                 pytest.param(WeightFormat("fp8", 32, 32), id="fp8-b32"),
+                                 pytest.param(WeightFormat("fp8"), id="fp8-channel")])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
     NATIVE is None or not NATIVE.fast_quantized, reason="this CPU has no AVX512-VNNI"))])
 def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     """Against the definition with the kernel's activation quantization (int8, one scale per
-    64 values, round half to even) applied to its inputs."""
+    64 values, round half to even) applied to its inputs (FP8 meets bf16 activations as they
+    are)."""
     hidden, inter, counts, slots = 128, 64, [2, 1, 9], [4, 0, 2]
     x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
     data13, data2, scales = _quantized_pool(w13, w2, fmt)
@@ -193,9 +197,10 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
                           scratch, fast=fast, scales=scales)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
-    gate_up = torch.einsum("ph,pnh->pn", _int8_blocks(rows), dq13[slot_of_row])
+    activations = (lambda t: t.float()) if fmt.kind == "fp8" else _int8_blocks
+    gate_up = torch.einsum("ph,pnh->pn", activations(rows), dq13[slot_of_row])
     act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).bfloat16()
-    want = torch.einsum("pi,phi->ph", _int8_blocks(act), dq2[slot_of_row]) * row_weights[:, None]
+    want = torch.einsum("pi,phi->ph", activations(act), dq2[slot_of_row]) * row_weights[:, None]
     # (a value at a rounding tie may land one step apart: ~1e-3 here)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=5e-3)
 

@@ -1,0 +1,84 @@
+"""How a MoE layer's slot pools are handed to the native kernel (csrc/moe_experts.c): the
+formats it reads, the layout checks that keep the C code in bounds, and the gating struct
+(biases, activation)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .activation import SILU, Activation
+from .quant import FP8, INT4, INT8, MXFP4, ExpertScales
+
+K_MULTIPLE = 32         # the fast paths read 32 bf16 at a time
+QUANT_BLOCK = 64        # quantized experts: activations share one int8 scale per 64 values
+MXFP4_GROUP = 32        # MXFP4's scales: one per 32 values (the kernel takes no other)
+C_KINDS = {INT8: 1, INT4: 2, MXFP4: 3, FP8: 4}      # moe_experts.c's weight kinds
+SILU_GATE = Activation(SILU)
+
+
+def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   scratch: list[torch.Tensor], scales: ExpertScales | None) -> None:
+    """What `moe_experts` hands the C code must be laid out as it reads it: a mismatch would
+    read or write out of bounds, so it raises here."""
+    (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
+    for t in (rows, w13, w2, *scratch):
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError("moe_experts takes tensors contiguous per slot and per row")
+    stored = (lambda r, c: (r, c)) if scales is None else scales.fmt.stored_shape
+    if ([t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
+                                       (num_rows, hidden)]
+            or w13.shape[1:] != stored(2 * inter, hidden)
+            or w2.shape[1:] != stored(hidden, inter)):
+        raise ValueError("moe_experts' scratch and pools disagree with its rows")
+    weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
+    if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
+            or not native_format(scales)):
+        raise ValueError(f"moe_experts takes bf16 rows and bf16, int8 per channel, int4 or "
+                         f"MXFP4 group-wise weights, got {w13.dtype}")
+    if scales is not None and (
+            scales.w13.shape[1:] != (2, *scales.fmt.scale_shape(inter, hidden))
+            or scales.w2.shape[1:] != scales.fmt.scale_shape(hidden, inter)
+            or scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32
+            or not (scales.w13[0].is_contiguous() and scales.w2[0].is_contiguous())):
+        raise ValueError("moe_experts takes float32 scales of the format's shape, contiguous "
+                         "per slot")
+
+
+class _Gating(ctypes.Structure):
+    """moe_experts.c's gating_t: biases and the activation between an expert's GEMMs."""
+
+    _fields_ = [("b13", ctypes.c_void_p), ("b13_stride", ctypes.c_int64),
+                ("b2", ctypes.c_void_p), ("b2_stride", ctypes.c_int64),
+                ("clamped", ctypes.c_int), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float)]
+
+
+def gating(activation: Activation, b13: torch.Tensor | None, b2: torch.Tensor | None,
+            num_slots: int, hidden: int, inter: int) -> _Gating | None:
+    """The C struct for these biases and activation (None: SiLU without biases)."""
+    if b13 is None and b2 is None and activation.kind == SILU:
+        return None
+    for bias, width in ((b13, 2 * inter), (b2, hidden)):
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(-1) != 1
+                                 or tuple(bias.shape) != (num_slots, width)):
+            raise ValueError(f"moe_experts takes bf16 biases [{num_slots}, {width}]")
+    def pointer(bias):
+        return (None, 0) if bias is None else (bias.data_ptr(), bias.stride(0))
+    return ctypes.byref(_Gating(*pointer(b13), *pointer(b2), int(activation.kind != SILU),
+                                activation.alpha, activation.limit))
+
+
+def native_format(scales: ExpertScales | None) -> bool:
+    """bf16 (no scales), int8 per output row, int4 in groups of a multiple of QUANT_BLOCK,
+    MXFP4 (groups of 32), or FP8 in any blocks of a multiple of K_MULTIPLE inputs."""
+    if scales is None:
+        return True
+    fmt = scales.fmt
+    if fmt.kind == FP8:
+        return fmt.block_cols % K_MULTIPLE == 0
+    return fmt.block_rows == 1 and (
+        (fmt.kind == INT8 and fmt.block_cols == 0)
+        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0)
+        or (fmt.kind == MXFP4 and fmt.block_cols == MXFP4_GROUP))
