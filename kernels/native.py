@@ -37,7 +37,7 @@ from .native_moe import (
 )
 from .quant import FP8, ExpertScales
 
-MAX_ROWS = 32           # x rows per call (decode: sequences); more rows go to torch's GEMMs
+MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -88,8 +88,8 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
-        """`x [M, K]` bf16 (M <= MAX_ROWS; the plain path: 8), `w [N, K]` bf16 with unit
-        stride along K -> `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
+        """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
+        `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
                 or w.stride(1) != 1 or w.shape[1] != x.shape[1]
                 or out_dtype not in (torch.float32, torch.bfloat16)):

@@ -16,8 +16,6 @@
 #include "bf16.h"
 #include "rows.h"
 
-#define MAX_GEMM_ROWS 32     /* x rows the fast path takes (the plain one: MAX_ROWS) */
-
 int mox_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
@@ -34,40 +32,8 @@ static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int
     }
 }
 
-/* Up to this many x rows, one weight row at a time against all of them (memory-bound);
- * more rows take the blocked kernel (the dot products' rate bounds it). */
-#define SMALL_M 2
-
-/* BLOCK_W weight rows against all M x rows, four at a time: each block of weight rows read
- * from memory once (it stays in L1 across the x rows) */
-static void gemm_blocked(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                         void *y, int64_t ldy, int M, int64_t N, int64_t K, int out_bf16) {
-    int64_t blocks = N / BLOCK_W;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b <= blocks; b++) {
-        int64_t n0 = b * BLOCK_W;
-        int rows = N - n0 < BLOCK_W ? (int)(N - n0) : BLOCK_W;
-        float sums[MAX_GEMM_ROWS * BLOCK_W];
-        for (int m0 = 0; m0 < M && rows == BLOCK_W; m0 += 4)
-            block_avx512(x + m0 * ldx, ldx, w + n0 * ldw, ldw, sums + m0 * BLOCK_W, BLOCK_W,
-                         M - m0 < 4 ? M - m0 : 4, K);
-        for (int r = 0; r < rows; r++) {
-            float column[MAX_GEMM_ROWS];
-            if (rows == BLOCK_W)
-                for (int m = 0; m < M; m++) column[m] = sums[m * BLOCK_W + r];
-            else
-                rows_dot(x, ldx, M, w + (n0 + r) * ldw, column, 1, K, 1);
-            store(y, ldy, n0 + r, column, M, out_bf16);
-        }
-    }
-}
-
 static void gemv(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                  int64_t ldy, int M, int64_t N, int64_t K, int out_bf16, int fast) {
-    if (fast && M > SMALL_M) {
-        gemm_blocked(x, ldx, w, ldw, y, ldy, M, N, K, out_bf16);
-        return;
-    }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float sums[MAX_ROWS];
@@ -80,11 +46,11 @@ static void gemv(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
 }
 
 /* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
- * bf16 (ldw). M <= 8 (the fast path: 32, and K % 32 == 0 ; the caller checks). Returns 0, or -1
+ * bf16 (ldw). M <= 8; the fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1
  * for arguments it does not take. */
 int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                   int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast) {
-    if (M < 1 || M > (fast ? MAX_GEMM_ROWS : MAX_ROWS) || N < 1 || K < 1)
+    if (M < 1 || M > MAX_ROWS || N < 1 || K < 1)
         return -1;
     if (fast && (K % 32 != 0 || !mox_has_avx512bf16()))
         return -1;

@@ -151,20 +151,22 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
                 quantize_row(rows + p * H, H, packed, q13.q + p * H,
                              q13.scale + p * (H / QBLOCK), q13.sum32 + p * (H / 32));
         }
-        /* gate row i and up row I + i together, then their activations at once: no pass
-         * (and barrier) of its own for the SiLU; each thread reads two streams in order */
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < num_active * n13; j++) {
+            int64_t a = j / n13, n = j % n13;
+            pool_rows_dot(rows, &q13, starts[a], counts[a], p13, slots[a], n,
+                          gate_up + starts[a] * n13 + n, n13, H, fast);
+        }
+        /* (computing gate row i with up row I + i in one pass, two streams a thread, read
+         * the weights slower here than one stream and this pass) */
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < num_active * I; j++) {
-            int64_t a = j / I, i = j % I, first = starts[a];
-            float *gate = gate_up + first * n13 + i, *up = gate + I;
-            pool_rows_dot(rows, &q13, first, counts[a], p13, slots[a], i, gate, n13, H, fast);
-            pool_rows_dot(rows, &q13, first, counts[a], p13, slots[a], I + i, up, n13, H,
-                          fast);
+            int64_t a = j / I, i = j % I;
             float bg = bias_at(g->b13, g->b13_stride, slots[a], i);
             float bu = bias_at(g->b13, g->b13_stride, slots[a], I + i);
-            for (int64_t c = 0; c < counts[a]; c++)
-                act[(first + c) * I + i] = f32_to_bf16(activate(g, gate[c * n13] + bg,
-                                                                up[c * n13] + bu));
+            for (int64_t p = starts[a]; p < starts[a] + counts[a]; p++)
+                act[p * I + i] = f32_to_bf16(activate(g, gate_up[p * n13 + i] + bg,
+                                                      gate_up[p * n13 + I + i] + bu));
         }
         if (quantized) {
             #pragma omp for schedule(static)

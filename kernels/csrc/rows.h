@@ -36,31 +36,6 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
         out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
-/* four weight rows against up to four x rows: 16 accumulators, each loaded x vector used
- * by four rows and each weight vector by four x rows (row_avx512 loads an x vector per dot
- * product: compute-bound from about four x rows). out[m * ldy + r] for weight row r. */
-#define BLOCK_W 4
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline void block_avx512(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                                float *out, int64_t ldy, int M, int64_t K) {
-    __m512 acc[4][BLOCK_W];
-    for (int m = 0; m < 4; m++)
-        for (int r = 0; r < BLOCK_W; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512bh wv[BLOCK_W];
-        for (int r = 0; r < BLOCK_W; r++)
-            wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + r * ldw + k));
-        for (int m = 0; m < M; m++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k));
-            for (int r = 0; r < BLOCK_W; r++)
-                acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-        }
-    }
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < BLOCK_W; r++)
-            out[m * ldy + r] = _mm512_reduce_add_ps(acc[m][r]);
-}
-
 static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
                       int64_t ldy, int M, int64_t K) {
     for (int m = 0; m < M; m++) {

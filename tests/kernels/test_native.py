@@ -28,11 +28,8 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fast", PATHS)
 @pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (1, 1000, 1024), (3, 257, 96),
-                                        (8, 64, 512), (5, 33, 4096), (32, 130, 256),
-                                        (17, 7, 64)])
+                                        (8, 64, 512), (5, 33, 4096)])
 def test_gemv_matches_fp32(fast, rows, n, k):
-    if rows > 8 and not fast:
-        rows = 8                                      # the plain path takes up to 8 rows
     x, w = _bf16(rows, k, seed=1), _bf16(n, k, seed=2)
     got = NATIVE.gemv(x, w, fast=fast)
     want = x.float() @ w.float().t()
@@ -48,7 +45,7 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take(fast):
     torch.testing.assert_close(NATIVE.gemv(x, w, fast=fast), x.float() @ w.float().t(),
                                rtol=1e-4, atol=1e-2)
     with pytest.raises(ValueError):
-        NATIVE.gemv(_bf16(33 if fast else 9, 64, seed=5), w, fast=fast)   # too many rows
+        NATIVE.gemv(_bf16(9, 64, seed=5), w, fast=fast)          # more rows than it takes
     with pytest.raises(ValueError):
         NATIVE.gemv(x.float(), w.float(), fast=fast)
 
