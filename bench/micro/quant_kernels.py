@@ -10,6 +10,10 @@ than the last-level cache holds (each call reads its expert from memory), 2 thre
   int8 dequant+mm  dequantize the expert to bf16 (mox.kernels.quant), then torch.mm
   int4 native      mox's native kernel over int4 rows in groups of 128
   int4 dequant+mm  as int8's
+  fp8 native       FP8 E4M3 in blocks of 128x128 widened to bf16 in registers (AVX512-BF16)
+  fp8 dequant+mm   as int8's (what FP8 experts took before the native kernel)
+  mxfp4 native     MXFP4 (groups of 32) looked up as int8 and met by int8 activations
+  mxfp4 dequant+mm as int8's
 
 Microseconds per expert call, median of the repeats; each figure from the runs given.
 
@@ -29,7 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from mox.kernels import native
-from mox.kernels.quant import INT4_GROUP128, INT8_PER_CHANNEL, ExpertScales, dequantize_experts
+from mox.kernels.quant import (
+    FP8_BLOCK128,
+    INT4_GROUP128,
+    INT8_PER_CHANNEL,
+    MXFP4_GROUP32,
+    ExpertScales,
+    dequantize_experts,
+)
 from mox.kernels.quant import quantize as quantize_weight
 
 HIDDEN, INTER = 1024, 512
@@ -68,6 +79,8 @@ def variants(pools: dict) -> dict:
     d13, d2, s8 = pools["int8"]
     p13, p2 = s8.w13.reshape(NUM_EXPERTS, -1).bfloat16(), s8.w2.reshape(NUM_EXPERTS, -1).bfloat16()
     i13, i2, s4 = pools["int4"]
+    f13, f2, s_fp8 = pools["fp8"]
+    m13, m2, s_mx = pools["mxfp4"]
 
     def pack_mm(x, e):
         gate_up = torch._weight_int8pack_mm(x, d13[e], p13[e])
@@ -87,6 +100,10 @@ def variants(pools: dict) -> dict:
         "int8 dequant+mm": dequant_mm(d13, d2, s8),
         "int4 native": lambda x, e: native_call(x, i13, i2, e, s4),
         "int4 dequant+mm": dequant_mm(i13, i2, s4),
+        "fp8 native": lambda x, e: native_call(x, f13, f2, e, s_fp8),
+        "fp8 dequant+mm": dequant_mm(f13, f2, s_fp8),
+        "mxfp4 native": lambda x, e: native_call(x, m13, m2, e, s_mx),
+        "mxfp4 dequant+mm": dequant_mm(m13, m2, s_mx),
     }
 
 
@@ -108,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN) / HIDDEN**0.5).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTER) / INTER**0.5).bfloat16()
     pools = {"bf16": (w13, w2), "int8": quantized_pool(w13, w2, INT8_PER_CHANNEL),
-             "int4": quantized_pool(w13, w2, INT4_GROUP128)}
+             "int4": quantized_pool(w13, w2, INT4_GROUP128),
+             "fp8": quantized_pool(w13, w2, FP8_BLOCK128),
+             "mxfp4": quantized_pool(w13, w2, MXFP4_GROUP32)}
     calls = variants(pools)
     runs = {name: {m: [] for m in ROWS} for name in calls}
     for _ in range(args.runs):
