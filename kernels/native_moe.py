@@ -71,7 +71,7 @@ def gating(activation: Activation, b13: torch.Tensor | None, b2: torch.Tensor | 
 
 
 def native_format(scales: ExpertScales | None) -> bool:
-    """bf16 (no scales), int8 per output row, int4 in groups of a multiple of QUANT_BLOCK,
+    """bf16 (no scales), int8 per output row, int4 in groups of 32 or a multiple of QUANT_BLOCK,
     MXFP4 (groups of 32), or FP8 in any blocks of a multiple of K_MULTIPLE inputs."""
     if scales is None:
         return True
@@ -80,5 +80,6 @@ def native_format(scales: ExpertScales | None) -> bool:
         return fmt.block_cols % K_MULTIPLE == 0
     return fmt.block_rows == 1 and (
         (fmt.kind == INT8 and fmt.block_cols == 0)
-        or (fmt.kind == INT4 and fmt.block_cols > 0 and fmt.block_cols % QUANT_BLOCK == 0)
+        or (fmt.kind == INT4 and fmt.block_cols > 0
+            and (fmt.block_cols % QUANT_BLOCK == 0 or fmt.block_cols == 32))
         or (fmt.kind == MXFP4 and fmt.block_cols == MXFP4_GROUP))

@@ -64,12 +64,15 @@ def target_table(suites: list[Suite]) -> list[str]:
 
 
 def compare(outs: list[str]) -> str:
+    """Suites matched by name: a suite some runs lack is shown over the runs that have it."""
     runs = [load(out) for out in outs]
+    names = list(dict.fromkeys(s.name for r in runs for s in r.suites))
     lines = []
-    for i, suite in enumerate(runs[0].suites):
-        suites = [r.suites[i] for r in runs]
+    for name in names:
+        suites = [s for r in runs for s in r.suites if s.name == name]
         errors = sorted({p.error for s in suites for p in s.policies if p.error})
-        lines += [f"### {suite.name} routing ({suite.workload.num_requests} requests a run)",
+        count = "" if len(suites) == len(runs) else f", {len(suites)} of the {len(runs)} runs"
+        lines += [f"### {name} routing ({suites[0].workload.num_requests} requests a run{count})",
                   "", *policy_table(suites), "", *target_table(suites), ""]
         lines += [f"Not run: {e}" for e in errors] + ([""] if errors else [])
     return "\n".join(lines)

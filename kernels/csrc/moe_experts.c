@@ -98,8 +98,8 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
     }
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        if (fast && p.kind == WEIGHTS_MXFP4)
-            row_mx_vnni(qx, first + c, m, row, wscale, out + c * ldy, ldy);
+        if (fast && p.group == 32)                      /* MXFP4, int4 in groups of 32 */
+            row_g32_vnni(qx, first + c, m, row, p.kind, wscale, out + c * ldy, ldy);
         else if (fast)
             row_q_vnni(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
         else
@@ -130,8 +130,8 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
                                     || (p2.group && I % p2.group)))
         return -1;
     if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
-                      || (p13.kind == WEIGHTS_INT4 && (p13.group % QBLOCK || H % p13.group
-                                                       || I % p13.group))
+                      || (p13.kind == WEIGHTS_INT4 && ((p13.group % QBLOCK && p13.group != 32)
+                                                       || H % p13.group || I % p13.group))
                       || (p13.kind == WEIGHTS_MXFP4 && p13.group != 32)))
         return -1;
     int64_t n13 = 2 * I, num_rows = 0;
@@ -205,7 +205,7 @@ int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
 /* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4, 4: FP8 E4M3): float32 scales, w13's
  * at sc13 + s * ss13 ([2, ceil(I / block_rows), H / group]: gate's, then up's), w2's at
  * sc2 + s * ss2 ([ceil(H / block_rows), I / group]); `group` 0: one per row. int8: per row;
- * int4: groups of a multiple of 64; MXFP4: groups of 32; FP8: any blocks (`group` a multiple
+ * int4: groups of 32 or a multiple of 64; MXFP4: groups of 32; FP8: any blocks (`group` a multiple
  * of 32). H and I: multiples of 64. */
 int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
                               const float *sc13, int64_t ss13, const void *w2, int64_t s2,

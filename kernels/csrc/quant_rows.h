@@ -73,19 +73,21 @@ static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
     return _mm512_shuffle_epi8(table, nibbles);          /* a table lookup per byte */
 }
 
-/* one MXFP4 weight row (K values, a scale per 32) against quantized x rows m0 .. m0 + M: a
- * block of 64 holds two groups, whose dot products land in alternate quarters of the
- * VPDPBUSD result (groups' values deinterleaved as the nibbles unpack), so the scales go on
- * as one vector */
+/* one packed weight row with a scale per 32 values (MXFP4, or int4 in groups of 32) against
+ * quantized x rows m0 .. m0 + M: a block of 64 holds two groups, whose dot products land in
+ * alternate quarters of the VPDPBUSD result (groups' values deinterleaved as the nibbles
+ * unpack), so the scales go on as one vector */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void row_mx_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
-                        const float *wscale, float *out, int64_t ldy) {
+static void row_g32_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                         const float *wscale, float *out, int64_t ldy) {
     int64_t K = x->K, nb = K / QBLOCK;
-    float corr[MAX_ROWS] = {0};
+    /* the bytes hold int4's v + 8, or MXFP4's 2v + 12 (halved at the end) */
+    float offset = kind == WEIGHTS_INT4 ? 8.0f : MXFP4_OFFSET;
+    float unit = kind == WEIGHTS_INT4 ? 1.0f : 0.5f, corr[MAX_ROWS] = {0};
     __m512 acc[MAX_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += QBLOCK) {
-        __m512i w = weight_bytes(row, k, WEIGHTS_MXFP4);
+        __m512i w = weight_bytes(row, k, kind);
         float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];
         __m512 scales = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
         for (int m = 0; m < M; m++) {
@@ -97,8 +99,8 @@ static void row_mx_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
             corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];
         }
     }
-    for (int m = 0; m < M; m++)             /* the bytes held 2v: halve */
-        out[m * ldy] = 0.5f * (_mm512_reduce_add_ps(acc[m]) - MXFP4_OFFSET * corr[m]);
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = unit * (_mm512_reduce_add_ps(acc[m]) - offset * corr[m]);
 }
 
 /* one quantized weight row (K values; scales per `group` inputs, 0: one per row) against

@@ -62,6 +62,13 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"
     p50 = suite.policies[0].latency.ttft.p50
     assert f"| rate | {p50:.2f} / {p50:.2f} |" in side_by_side
+    renamed = out / "renamed"                  # a run whose only suite another run lacks
+    renamed.mkdir()
+    (renamed / "results.json").write_text(
+        (out / "results.json").read_text().replace('"name":"uniform"', '"name":"skew1"'))
+    mixed = compare([str(out), str(renamed)])
+    assert "### uniform routing" in mixed and "### skew1 routing" in mixed
+    assert mixed.count("1 of the 2 runs") == 2 and f"| rate | {p50:.2f} |" in mixed
     for plot in ("ttft-cdf", "tpot-cdf", "bytes-read", "resident-bytes", "request-rate"):
         assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
 

@@ -131,6 +131,7 @@ def test_fused_moe_over_quantized_pools_matches_the_reference(fmt, num_tokens, d
 NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
                   pytest.param(INT4_GROUP128, id="int4-g128"),
                   pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
+                  pytest.param(WeightFormat("int4", 1, 32), id="int4-g32"),
                   pytest.param(MXFP4_GROUP32, id="mxfp4"),
                   pytest.param(FP8_BLOCK128, id="fp8-b128")]
 
@@ -174,6 +175,7 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
                                  pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
+                                 pytest.param(WeightFormat("int4", 1, 32), id="int4-g32"),
                                  pytest.param(MXFP4_GROUP32, id="mxfp4"),
                                  pytest.param(WeightFormat("fp8", 32, 32), id="fp8-b32"),
                                  pytest.param(WeightFormat("fp8"), id="fp8-channel")])
