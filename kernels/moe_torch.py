@@ -5,7 +5,9 @@ into the output once.
 Legend: T tokens, k experts per token, P = T*k pairs, E logical experts, S slots,
 H hidden, I intermediate.
 
-Two ways to run the per-slot GEMMs, picked by how many rows an expert gets on average:
+How the per-slot GEMMs run, picked by how many rows an expert gets on average:
+- a few rows each (decode) on a CPU with the native kernels: one call for all of a layer's
+  experts and rows (mox.kernels.native.moe_experts; bf16 or quantized pools);
 - few rows (decode, short prefills) over a densely used slot range:
   `torch.nn.functional.grouped_mm` over that range at once, where this torch has it on this
   device; one call replaces many Python-level matmuls;
@@ -70,12 +72,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     adds several calls (waves) and must round once to get the same result as one call.
     `b13 [S, 2I]`, `b2 [S, H]`: expert biases, added before the activation and before the
     routing weight. `scales`: the pool is quantized (mox.kernels.quant); int8 per channel,
-    int4 and MXFP4 per group go through the native kernel for decode, int8 through torch's
-    int8 GEMM up to a few dozen rows an expert, the rest is dequantized first."""
+    int4 and MXFP4 per group and FP8 per block go through the native kernel for decode, int8
+    through torch's int8 GEMM up to a few dozen rows an expert, the rest is dequantized
+    first."""
     out_dtype = out_dtype or x.dtype
     experts = _Experts(w13, w2, activation, b13, b2, scales)
     ws = workspace or MoEWorkspace()
-    native_experts = native.takes_experts(x, w13, w2, scales, b13)
+    native_experts = native.takes_experts(x, w13, w2, scales, b13, b2)
     if scales is not None and not native_experts and (
             topk_ids.shape[0] == 1 or scales.fmt != INT8_PER_CHANNEL):   # (int8: see below)
         return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)

@@ -4,8 +4,8 @@ rms_norm.c, rope_kv.c), built at first use (`native_build`) and called through c
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
 (bench/results/read_rate.md). `gemv_bf16(x, w)` reads `w` in place at the full rate;
-`moe_experts` reads a MoE layer's experts so, bf16, int8, int4 or MXFP4 (a half or a quarter
-of the bytes).
+`moe_experts` reads a MoE layer's experts so, bf16, int8, int4, MXFP4 or FP8 (a half or a
+quarter of the bytes).
 
 The shared library is compiled with the system C compiler into a per-user cache, keyed by the
 sources' hash; without a compiler or a writable cache, on a CPU without AVX512-BF16, or with
@@ -115,29 +115,31 @@ class NativeKernels:
                     scales: ExpertScales | None = None, activation: Activation = SILU_GATE,
                     b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None) -> torch.Tensor:
-        """Gated experts for rows sorted by slot: `rows [P, H]` bf16, slot pools
+        """Gated experts for rows grouped by slot: `rows [P, H]` bf16, slot pools
         `w13 [S, 2I, H]`, `w2 [S, H, I]` (contiguous per slot), bf16, or stored as `scales`
-        says (int8 per channel, int4 or MXFP4 in groups; met by activations quantized to int8
-        in blocks of QUANT_BLOCK); `activation` SiLU or GPT-OSS's clamped SwiGLU, with
-        optional bf16 biases `b13 [S, 2I]`, `b2 [S, H]`; `runs`: (slot, number of rows) of
-        each active slot, in row order; `row_weights [P]` float32; `scratch`: gate_up
-        `[P, 2I]` f32, act `[P, I]` bf16 and the result `[P, H]` f32, each row scaled by its
-        routing weight, which is returned."""
-        check_experts(rows, w13, w2, scratch, scales)
+        says (int8 per channel, int4 or MXFP4 in groups: met by activations quantized to int8
+        in blocks of QUANT_BLOCK; FP8 in blocks: met by the bf16 rows); `activation` SiLU or
+        GPT-OSS's clamped SwiGLU, with optional bf16 biases `b13 [S, 2I]`, `b2 [S, H]`;
+        `runs`: (slot, number of rows) of each active slot, in row order; `row_weights [P]`
+        float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16 and the result
+        `[P, H]` f32, each row scaled by its routing weight, which is returned."""
+        check_experts(rows, w13, w2, scratch, scales, row_weights)
         hidden, inter = rows.shape[1], w13.shape[1] // 2
         if sum(count for _, count in runs) != rows.shape[0] or any(
-                not 0 <= slot < w13.shape[0] for slot, _ in runs):
+                count < 0 or not 0 <= slot < w13.shape[0] for slot, count in runs):
             raise ValueError("moe_experts' runs must cover its rows, in slots of its pools")
+        gate_up, act, down = scratch
+        if not runs:
+            return down                                    # no rows: nothing to compute
         gates = gating(activation, b13, b2, w13.shape[0], hidden, inter)
         # slots, first rows, counts: int64 arrays the C code reads (no tensors built per call)
         num_active, starts = len(runs), itertools.accumulate(
             (count for _, count in runs[:-1]), initial=0)
         table = (ctypes.c_int64 * (3 * num_active))(
             *(slot for slot, _ in runs), *starts, *(count for _, count in runs))
-        slots_ptr = ctypes.addressof(table)
+        slots_ptr, column = ctypes.addressof(table), ctypes.sizeof(ctypes.c_int64) * num_active
         row_weights = row_weights.to(torch.float32).contiguous()
-        gate_up, act, down = scratch
-        tail = (gates, slots_ptr, slots_ptr + 8 * num_active, slots_ptr + 16 * num_active,
+        tail = (gates, slots_ptr, slots_ptr + column, slots_ptr + 2 * column,
                 num_active, row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(),
                 act.data_ptr(), down.data_ptr(), int(fast))
         if scales is None:
@@ -262,7 +264,8 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  scales: ExpertScales | None = None, b13: torch.Tensor | None = None) -> bool:
+                  scales: ExpertScales | None = None, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None) -> bool:
     """Whether `moe_experts`' fast path serves these experts here (int8, int4 and MXFP4 need
     AVX512-VNNI, bf16 and FP8 AVX512-BF16; biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
@@ -271,7 +274,7 @@ def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    0 if scales is None else scales.fmt.block_cols)
     return (_fast(quantized=integers) and rows.device.type == "cpu"
             and rows.dtype == torch.bfloat16 and native_format(scales)
-            and (b13 is None or b13.dtype == torch.bfloat16)
+            and all(b is None or b.dtype == torch.bfloat16 for b in (b13, b2))
             and hidden % multiple == 0 and inter % multiple == 0)
 
 

@@ -42,7 +42,9 @@ def build(source_dir: str) -> str | None:
         log.info("native CPU kernels unavailable: cannot write %s: %s", folder, e)
         return None
     os.close(fd)
-    command = [os.environ.get("CC", "cc"), "-O3", "-fopenmp", "-shared", "-fPIC", *sources,
+    # (no FMA contraction: rope_kv.c must round as torch's separate multiply and add do)
+    command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=off", "-fopenmp", "-shared",
+               "-fPIC", *sources,
                "-o", staged, "-lm"]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)

@@ -19,10 +19,16 @@ SILU_GATE = Activation(SILU)
 
 
 def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   scratch: list[torch.Tensor], scales: ExpertScales | None) -> None:
+                  scratch: list[torch.Tensor], scales: ExpertScales | None,
+                  row_weights: torch.Tensor) -> None:
     """What `moe_experts` hands the C code must be laid out as it reads it: a mismatch would
     read or write out of bounds, so it raises here."""
     (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
+    slots = {w13.shape[0], w2.shape[0]} | (
+        set() if scales is None else {scales.w13.shape[0], scales.w2.shape[0]})
+    if len(slots) != 1 or row_weights.numel() != num_rows or [t.dtype for t in scratch] != [
+            torch.float32, torch.bfloat16, torch.float32]:
+        raise ValueError("moe_experts' pools, scales, row weights and scratch disagree")
     for t in (rows, w13, w2, *scratch):
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError("moe_experts takes tensors contiguous per slot and per row")
@@ -36,7 +42,7 @@ def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
             or not native_format(scales)):
         raise ValueError(f"moe_experts takes bf16 rows and bf16, int8 per channel, int4 or "
-                         f"MXFP4 group-wise weights, got {w13.dtype}")
+                         f"MXFP4 group-wise or FP8 block-wise weights, got {w13.dtype}")
     if scales is not None and (
             scales.w13.shape[1:] != (2, *scales.fmt.scale_shape(inter, hidden))
             or scales.w2.shape[1:] != scales.fmt.scale_shape(hidden, inter)
@@ -56,8 +62,9 @@ class _Gating(ctypes.Structure):
 
 
 def gating(activation: Activation, b13: torch.Tensor | None, b2: torch.Tensor | None,
-            num_slots: int, hidden: int, inter: int) -> _Gating | None:
-    """The C struct for these biases and activation (None: SiLU without biases)."""
+           num_slots: int, hidden: int, inter: int):
+    """A pointer to the C struct for these biases and activation, which it keeps alive
+    (None: SiLU without biases)."""
     if b13 is None and b2 is None and activation.kind == SILU:
         return None
     for bias, width in ((b13, 2 * inter), (b2, hidden)):

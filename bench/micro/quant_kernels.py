@@ -66,7 +66,7 @@ def native_call(x, w13, w2, slot, scales=None):
     scratch = [torch.empty(m, 2 * INTER), torch.empty(m, INTER, dtype=torch.bfloat16),
                torch.empty(m, HIDDEN)]
     return native.kernels().moe_experts(rows, w13, w2, [(slot, m)], torch.ones(m), scratch,
-                                     scales=scales)
+                                        scales=scales)
 
 
 def mm_call(x, w13, w2):

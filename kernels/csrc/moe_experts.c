@@ -1,13 +1,15 @@
-/* The gated experts of one MoE layer for decode, over bf16, int8, int4 or MXFP4 slot pools:
- * each weight row read once, in place, in memory order, so an expert costs its stored bytes.
- * bf16 pools use the GEMVs' inner loops (rows.h). Quantized pools meet activations quantized
- * here to int8 in blocks of 64 (one float scale each, as llama.cpp's Q8 activations): one
- * AVX512-VNNI instruction multiplies 64 weight bytes by 64 activation bytes, where widening
- * the weights to bf16 took six instructions per 32 and left decode compute-bound. VPDPBUSD
- * takes unsigned bytes on one side: int8 weights are flipped to w + 128, int4 nibbles are
- * stored as v + 8, MXFP4 codes looked up as 2v + 12 (quant_rows.h), and the offset times
- * the activations' block sums is subtracted once per row. Built with bf16_gemv.c into one library (mox/kernels/native.py); the plain-C paths
- * compute the same sums everywhere.
+/* The gated experts of one MoE layer for decode, over bf16, int8, int4, MXFP4 or FP8 slot
+ * pools: each weight row read once, in place, in memory order, so an expert costs its stored
+ * bytes. bf16 pools use the GEMVs' inner loops (rows.h). Integer pools (int8, int4, MXFP4)
+ * meet activations quantized here to int8 in blocks of 64 (one float scale each, as
+ * llama.cpp's Q8 activations): one AVX512-VNNI instruction multiplies 64 weight bytes by 64
+ * activation bytes, where widening the weights to bf16 took six instructions per 32 and left
+ * decode compute-bound. VPDPBUSD takes unsigned bytes on one side: int8 weights are flipped
+ * to w + 128, int4 nibbles are stored as v + 8, MXFP4 codes looked up as 2v + 12
+ * (quant_rows.h), and the offset times the activations' block sums is subtracted once per
+ * row. FP8 weights are widened to bf16 in registers and meet the bf16 activations. Built with
+ * every csrc/*.c into one library (mox/kernels/native.py); the plain-C paths compute the same
+ * sums everywhere.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -205,8 +207,8 @@ int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
 /* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4, 4: FP8 E4M3): float32 scales, w13's
  * at sc13 + s * ss13 ([2, ceil(I / block_rows), H / group]: gate's, then up's), w2's at
  * sc2 + s * ss2 ([ceil(H / block_rows), I / group]); `group` 0: one per row. int8: per row;
- * int4: groups of 32 or a multiple of 64; MXFP4: groups of 32; FP8: any blocks (`group` a multiple
- * of 32). H and I: multiples of 64. */
+ * int4: groups of 32 or a multiple of 64; MXFP4: groups of 32; FP8: any blocks (`group` a
+ * multiple of 32). H and I: multiples of 64 (FP8: of 32). */
 int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, int64_t s13,
                               const float *sc13, int64_t ss13, const void *w2, int64_t s2,
                               const float *sc2, int64_t ss2, int64_t group,
@@ -215,7 +217,9 @@ int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, i
                               int64_t num_active, const float *row_weights, int64_t H,
                               int64_t I, float *gate_up, uint16_t *act, float *down,
                               int fast) {
-    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_FP8 || block_rows < 1)
+    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_FP8 || block_rows < 1 || group < 0
+        || (kind == WEIGHTS_INT8 && (group || block_rows != 1))
+        || ((kind == WEIGHTS_INT4 || kind == WEIGHTS_MXFP4) && (group == 0 || block_rows != 1)))
         return -1;
     pool_t p13 = {w13, s13, kind, sc13, ss13, group, block_rows, I};
     pool_t p2 = {w2, s2, kind, sc2, ss2, group, block_rows, H};

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "rows.h"
 
 #define QBLOCK 64              /* activation values sharing one scale */
@@ -165,14 +166,17 @@ static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
     }
 }
 
-/* E4M3 (bias 7) -> bf16 (bias 127): normals rebias the exponent (+120); subnormals m * 2^-9
- * (m = 1..7) are normal bf16 values, looked up */
+/* E4M3 (bias 7) -> bf16 (bias 127): normals rebias the exponent (+120: the exponent field
+ * sits 7 bits up in bf16, 3 in E4M3, hence the shift of 4); subnormals m * 2^-9 (m = 1..7)
+ * are normal bf16 values, looked up (the table padded to the 32 lanes one permute reads).
+ * E4M3FN's NaN (0x7f, 0xff) comes out as +-480: weights hold none. */
+#define FP8_REBIAS (120 << 7)
 static const uint16_t FP8_SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0,
                                                 0x3C00, 0x3C20, 0x3C40, 0x3C60};
 
 static inline uint16_t fp8_to_bf16(uint8_t v) {
     uint16_t em = v & 0x7f, sign = (uint16_t)((v & 0x80) << 8);
-    return sign | (em < 8 ? FP8_SUBNORMAL_BF16[em] : (uint16_t)((em << 4) + (120 << 7)));
+    return sign | (em < 8 ? FP8_SUBNORMAL_BF16[em] : (uint16_t)((em << 4) + FP8_REBIAS));
 }
 
 /* 32 FP8 weights as bf16 */
@@ -181,7 +185,7 @@ static inline __m512bh fp8_as_bf16(const uint8_t *w) {
     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
     __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
     __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
-    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(FP8_REBIAS));
     __m512i sub = _mm512_permutexvar_epi16(em, _mm512_loadu_si512(FP8_SUBNORMAL_BF16));
     __mmask32 tiny = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
     return (__m512bh)_mm512_or_si512(sign, _mm512_mask_blend_epi16(tiny, normal, sub));

@@ -3,7 +3,7 @@
  *
  * The arithmetic is the reference's (mox/models/rotary.py) step for step in float32: each
  * rotated value is x * cos + x' * sin, products rounded before the sum (built without FMA
- * contraction: the library's baseline x86-64 target has none), then rounded to bf16 once,
+ * contraction: the library builds with -ffp-contract=off), then rounded to bf16 once,
  * so tokens match the torch path bit for bit. Halves (Llama: x' is the other half, the
  * first negated) or interleaved pairs (DeepSeek: evens then odds in the output, as the
  * reference lists them); dims past `rot` pass through.
@@ -31,8 +31,11 @@ static void rotate_row(uint16_t *x, const float *cos, const float *sin, int64_t 
             a = in[i];
             b = in[half + i];
         }
-        float c = cos[i], s = sin[i];         /* (the tables repeat each angle per half) */
-        float ac = a * c, bs = b * s, bc = b * c, as = a * s;
+        /* the reference's table entries: halves read cos[half + i] for the second half (the
+         * table repeats each angle per half), pairs the first half's */
+        int64_t second = interleaved ? i : half + i;
+        float ac = a * cos[i], bs = b * sin[i];
+        float bc = b * cos[second], as = a * sin[second];
         out[i] = ac - bs;
         out[half + i] = bc + as;
     }

@@ -75,7 +75,7 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
     topk_weights, topk_ids = route(spec, w, x)                            # [T, k]
     out = None
     # (the pager takes each expert once: a host list is cheaper than a device unique())
-    for lease in experts.wave_steps(w.moe_layer, topk_ids.view(-1).tolist()):
+    for lease in experts.wave_steps(w.moe_layer, topk_ids.reshape(-1).tolist()):
         if isinstance(lease, ReadsPending):
             yield lease
             continue

@@ -105,6 +105,16 @@ def test_fused_moe_with_the_native_kernels_matches_the_reference(num_tokens, mon
     torch.testing.assert_close(old, want, rtol=2e-2, atol=1e-2)    # bf16: 2^-8 of values ~1
 
 
+def test_fused_moe_with_no_expert_resident_gives_zeros():
+    """Several tokens whose experts are all missing: the native path has no rows to run."""
+    w13, w2 = _experts(4, 64, 96)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    slot_of = torch.full((3,), -1, dtype=torch.int32)
+    got = fused_moe_torch(_bf16(3, 64, seed=12), w13, w2, torch.rand(3, 2), ids, slot_of,
+                          out_dtype=torch.float32)
+    assert torch.equal(got, torch.zeros(3, 64))
+
+
 def test_no_compiler_means_no_native_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")                 # a compiler that always fails
@@ -230,7 +240,8 @@ def test_an_unwritable_cache_means_no_native_kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("rope", [
     RopeSpec(theta=10000.0, rotary_dim=64),                            # halves, whole head
     RopeSpec(theta=500000.0, rotary_dim=32),                           # halves, part of it
-    RopeSpec(theta=10000.0, rotary_dim=64, interleaved=True)])         # DeepSeek's pairs
+    RopeSpec(theta=10000.0, rotary_dim=64, interleaved=True),          # DeepSeek's pairs
+    RopeSpec(theta=10000.0, rotary_dim=32, interleaved=True)])         # pairs, part of it
 @pytest.mark.parametrize("num_tokens", [1, 7])
 def test_rope_kv_equals_the_reference_rotation_and_store(rope, num_tokens):
     """Rotated q and k bit for bit as `Rotary.rotate` gives them, and k, v stored at their

@@ -133,7 +133,8 @@ NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
                   pytest.param(WeightFormat("int4", 1, 64), id="int4-g64"),
                   pytest.param(WeightFormat("int4", 1, 32), id="int4-g32"),
                   pytest.param(MXFP4_GROUP32, id="mxfp4"),
-                  pytest.param(FP8_BLOCK128, id="fp8-b128")]
+                  pytest.param(FP8_BLOCK128, id="fp8-b128", marks=pytest.mark.skipif(
+                      NATIVE is None or not NATIVE.fast, reason="FP8 needs AVX512-BF16"))]
 
 
 @pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
@@ -178,6 +179,7 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
                                  pytest.param(WeightFormat("int4", 1, 32), id="int4-g32"),
                                  pytest.param(MXFP4_GROUP32, id="mxfp4"),
                                  pytest.param(WeightFormat("fp8", 32, 32), id="fp8-b32"),
+                                 pytest.param(WeightFormat("fp8", 48, 32), id="fp8-b48x32"),
                                  pytest.param(WeightFormat("fp8"), id="fp8-channel")])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
     NATIVE is None or not NATIVE.fast_quantized, reason="this CPU has no AVX512-VNNI"))])
@@ -185,7 +187,9 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     """Against the definition with the kernel's activation quantization (int8, one scale per
     64 values, round half to even) applied to its inputs (FP8 meets bf16 activations as they
     are)."""
-    hidden, inter, counts, slots = 128, 64, [2, 1, 9], [4, 0, 2]
+    if fast and fmt.kind == "fp8" and not NATIVE.fast:
+        pytest.skip("FP8's fast path needs AVX512-BF16")
+    hidden, inter, counts, slots = 128, 64, [2, 1, 9], [4, 0, 2]   # (48-row blocks: ragged)
     x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
     data13, data2, scales = _quantized_pool(w13, w2, fmt)
     num_rows = sum(counts)
@@ -194,9 +198,8 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
-    got = NATIVE.moe_experts(rows, data13, data2,
-                          list(zip(slots, counts)), row_weights,
-                          scratch, fast=fast, scales=scales)
+    got = NATIVE.moe_experts(rows, data13, data2, list(zip(slots, counts)), row_weights,
+                             scratch, fast=fast, scales=scales)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
     activations = (lambda t: t.float()) if fmt.kind == "fp8" else _int8_blocks
@@ -233,3 +236,29 @@ def test_triton_dequantizes_inside_the_k_loop(fmt, num_tokens, monkeypatch):
                            config=SMALL_TILES,
                            scales=ExpertScales(fmt, on(scales.w13), on(scales.w2)))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
+    NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX512-BF16"))])
+def test_fp8_bytes_decode_as_torchs_e4m3(fast):
+    """Every E4M3 byte but NaN (subnormals, both signs, the largest): a one-hot row reads one
+    column of the pool, so the kernel's gate_up scratch holds the weights as it decoded
+    them, against torch.float8_e4m3fn's values."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    inter, hidden = 128, 64                                  # 2I = 256 rows >= 254 codes
+    column = torch.zeros(2 * inter, dtype=torch.uint8)
+    column[:codes.numel()] = codes
+    data13 = torch.zeros(1, 2 * inter, hidden, dtype=torch.uint8)
+    data13[0, :, 5] = column
+    fmt = WeightFormat("fp8")
+    scales = ExpertScales(fmt, torch.ones(1, 2, inter, 1), torch.ones(1, hidden, 1))
+    rows = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    rows[0, 5] = 1.0
+    scratch = [torch.empty(1, 2 * inter), torch.empty(1, inter, dtype=torch.bfloat16),
+               torch.empty(1, hidden)]
+    NATIVE.moe_experts(rows, data13.view(torch.float8_e4m3fn),
+                       torch.zeros(1, hidden, inter, dtype=torch.float8_e4m3fn), [(0, 1)],
+                       torch.ones(1), scratch, fast=fast, scales=scales)
+    want = column.view(torch.float8_e4m3fn).float()
+    assert torch.equal(scratch[0][0, :codes.numel()], want[:codes.numel()])
