@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -61,7 +62,7 @@ class ModelRunner:
         forward = ForwardBatch(tensor(ids), tensor(pos), tensor(q_seq), tensor(new_slots),
                                tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
                                logits_indices=tensor(sample_at), max_position=max(pos))
-        forward.padded = self._padded_layout(batch, len(ids), len(kv_slots))
+        forward.padded = partial(self._padded_layout, batch, len(ids), len(kv_slots))
         if len(ids) == len(batch.sequences):                 # one new token each: decode
             lengths = [item.seq.num_computed_tokens + 1 for item in batch.sequences]
             starts = [0]
@@ -105,9 +106,13 @@ class ModelRunner:
         sampling = [item.seq for item in batch.sequences if item.samples]
         for item in batch.sequences:
             item.seq.num_computed_tokens += item.num_new_tokens
+        # greedy rows in one argmax over the batch (one op, not one per sequence)
+        greedy = (logits.argmax(dim=-1).tolist()
+                  if any(seq.params.is_greedy for seq in sampling) else [])
         out = []
-        for row, seq in zip(logits, sampling):
-            token = sample(row, seq.params, seq.generator)
+        for i, (row, seq) in enumerate(zip(logits, sampling)):
+            token = greedy[i] if seq.params.is_greedy else sample(row, seq.params,
+                                                                   seq.generator)
             logprob = (float(torch.log_softmax(row, dim=-1)[token]) if seq.params.logprobs
                        else None)
             out.append(SampledToken(seq, token, logprob))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mox.kernels import native
-from mox.models.forward_batch import ForwardBatch
+from mox.models.forward_batch import ForwardBatch, PaddedLayout
 
 # What the KV store holds -> per-head keys `[N, h, d]` and values `[N, h, dv]` (MLA stores a
 # latent and expands it here); None: the store holds keys and values themselves.
@@ -35,8 +35,9 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
         return native.kernels().decode_attention(
             q.contiguous(), keys, values, batch.kv_slots, starts, lengths,
             q.shape[-1] ** -0.5 if scale is None else scale, window).to(q.dtype)
-    if batch.padded is not None:
-        return _attend_padded(batch, layer, q, window, scale, sinks, expand)
+    pad = batch.padded_layout()
+    if pad is not None:
+        return _attend_padded(batch, pad, layer, q, window, scale, sinks, expand)
     keys, values = batch.kv.gather(layer, batch.kv_slots)                 # [K, h_kv, d]
     if expand is not None:
         keys, values = expand(keys, values)                               # [K, h, d|dv]
@@ -45,12 +46,11 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     return out.transpose(0, 1)
 
 
-def _attend_padded(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
-                   scale: float | None, sinks: torch.Tensor | None,
+def _attend_padded(batch: ForwardBatch, pad: PaddedLayout, layer: int, q: torch.Tensor,
+                   window: int | None, scale: float | None, sinks: torch.Tensor | None,
                    expand: Expand | None) -> torch.Tensor:
     """Per-sequence attention as one padded batch: cheaper than the flat mask when many
     sequences decode (cost B x Tq x Pk instead of T x K)."""
-    pad = batch.padded
     num_seqs, max_keys = pad.kv_slots.shape
     keys, values = batch.kv.gather(layer, pad.kv_slots.reshape(-1))        # [B*Pk, h_kv, d]
     if expand is not None:

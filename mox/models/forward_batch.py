@@ -7,6 +7,7 @@ cached + new tokens, concatenated), S sampled sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,9 @@ class ForwardBatch:
     kv: KVStore
     logits_indices: torch.Tensor | None = None   # [S] tokens whose logits are wanted
     max_position: int = 0                         # largest entry of `positions` (host int)
-    padded: PaddedLayout | None = None            # set when per-sequence attention is cheaper
+    # set when per-sequence attention is cheaper (or its builder: decode attention that reads
+    # the store in place never needs it, so it is built on first use)
+    padded: PaddedLayout | Callable[[], PaddedLayout | None] | None = None
     # (starts, lengths) `[T]`: each token's keys in `kv_slots`, set when every sequence brings
     # one new token (decode), whose keys are then one run each
     key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -62,6 +65,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def padded_layout(self) -> PaddedLayout | None:
+        """The per-sequence layout, if this batch has one (built now if it was deferred)."""
+        if callable(self.padded):
+            self.padded = self.padded()
+        return self.padded
 
     def rotary_tables(self, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin of this batch's positions, computed once for all layers."""

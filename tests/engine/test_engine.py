@@ -171,7 +171,7 @@ def test_padded_and_flat_attention_layouts_agree(hf_checkpoints):
     batch = engine.scheduler.schedule()
     runner = engine.models["mixtral"].runner
     forward = runner.build(batch)
-    assert forward.padded is not None             # decodes: per-sequence rows are cheaper
+    assert forward.padded_layout() is not None    # decodes: per-sequence rows are cheaper
     padded = models["mixtral"].forward_batch(forward)
     forward.padded = None                         # same batch, flat block-diagonal mask
     torch.testing.assert_close(models["mixtral"].forward_batch(forward), padded,
