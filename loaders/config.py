@@ -266,8 +266,9 @@ def _deepseek_v2(config: dict[str, Any], path: str) -> ModelSpec:
 
 
 def _gpt_oss(config: dict[str, Any], path: str) -> ModelSpec:
-    """Experts fused `[E, ...]` with biases (MXFP4 blocks and scales as published, dequantized
-    on load), clamped SwiGLU, a biased router, attention sinks, alternating sliding windows."""
+    """Experts fused `[E, ...]` with biases (MXFP4 blocks and scales as published, kept MXFP4
+    in the slots), clamped SwiGLU, a biased router, attention sinks, alternating sliding
+    windows."""
     common = _common(config, path, quantizations=(EXPERTS_MXFP4,))
     storage = EXPERTS_MXFP4 if quantization_method(config) == EXPERTS_MXFP4 else EXPERTS_FUSED
     if storage == EXPERTS_MXFP4 and (config["hidden_size"] % MXFP4_BLOCK_VALUES
