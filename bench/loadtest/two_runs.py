@@ -52,7 +52,8 @@ def policy_table(suites: list[Suite]) -> list[str]:
 
 
 def target_table(suites: list[Suite]) -> list[str]:
-    rows = ["| rate: figure vs baseline | target | ratio (run 1 / run 2) | met |",
+    runs_named = " (run 1 / run 2)" if len(suites) > 1 else ""
+    rows = [f"| rate: figure vs baseline | target | ratio{runs_named} | met |",
             "|---|---|---|---|"]
     for i, target in enumerate(suites[0].targets):
         runs = [s.targets[i] for s in suites]
