@@ -150,8 +150,7 @@ class NativeKernels:
             status = self._moe_quantized(
                 rows.data_ptr(), C_KINDS[scales.fmt.kind], w13.data_ptr(), w13.stride(0),
                 s13.data_ptr(), s13.stride(0), w2.data_ptr(), w2.stride(0), s2.data_ptr(),
-                s2.stride(0),
-                scales.fmt.block_cols, scales.fmt.block_rows, *tail)
+                s2.stride(0), scales.fmt.block_cols, scales.fmt.block_rows, *tail)
         if status == -2:
             raise MemoryError("moe_experts could not allocate its quantized activations")
         if status != 0:
