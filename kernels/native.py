@@ -246,11 +246,15 @@ def torch_paths():
         _OFF.reset(token)
 
 
+def _available() -> NativeKernels | None:
+    """The library, where it is built and not switched off (`torch_paths`) here."""
+    return None if _OFF.get() else kernels()
+
+
 def _fast(quantized: bool = False) -> bool:
     """The fast path serves here: AVX512-BF16 for bf16 weights, AVX512-VNNI for quantized."""
-    native = kernels()
-    return (native is not None and not _OFF.get()
-            and (native.fast_quantized if quantized else native.fast))
+    native = _available()
+    return native is not None and (native.fast_quantized if quantized else native.fast)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -293,7 +297,7 @@ def takes_attention(q: torch.Tensor, kv) -> bool:
 def takes_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv) -> bool:
     """Whether `rope_kv` serves these bf16 heads over store `kv` here (plain C: any CPU the
     library builds on)."""
-    return (kernels() is not None and not _OFF.get() and q.device.type == "cpu"
+    return (_available() is not None and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == kv.dtype == torch.bfloat16)
 
 

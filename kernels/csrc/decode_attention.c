@@ -7,7 +7,7 @@
  * over the slots s_j = slots[starts[t] .. starts[t] + lengths[t]) (the last `window` of them
  * when window > 0), g = hq / (h / h_kv) its KV head. q, K, V bf16; sums and out float32.
  * One task per (token, KV head): the group of query heads sharing that head reads each key
- * and value row once. Built with the kernels of bf16_gemv.c (see mox/kernels/native.py).
+ * and value row once. Built with the other csrc/*.c into one library (mox/kernels/native.py).
  */
 #include <immintrin.h>
 #include <math.h>
