@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -76,7 +77,24 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config,
                            limits)
+    if args.ray:
+        return _serve_on_ray(args, options)
     return asyncio.run(serve(options))
+
+
+def _serve_on_ray(args: argparse.Namespace, options) -> int:
+    from mox.fleet import require_ray
+
+    require_ray()                  # before anything else, so the message is the first line
+    from mox.fleet.app import FleetOptions, run_fleet
+    from mox.serve import registered_models
+
+    registered_models(options)     # --demo: the demo models, registered once for every replica
+    return run_fleet(FleetOptions(
+        dataclasses.replace(options, demo=False), replicas=args.replicas,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas, address=args.address,
+        cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+        models_per_replica=args.models_per_replica))
 
 
 def _add_serve_parser(sub) -> None:
@@ -112,7 +130,27 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--step-log", help="append a JSON line per engine step to this file "
                        "(model, sequences, tokens, seconds, seconds waiting on expert reads)")
     _add_limit_arguments(serve.add_argument_group("limits"))
+    _add_ray_arguments(serve.add_argument_group("scaling out on Ray Serve (pip install "
+                                                "'mox[ray]')"))
     serve.set_defaults(func=_serve)
+
+
+def _add_ray_arguments(group) -> None:
+    group.add_argument("--ray", action="store_true",
+                       help="serve through Ray Serve: replicas that are each a whole mox "
+                       "(with --device-memory each), requests routed to where their model is "
+                       "warm; --host/--port are Ray's HTTP proxy")
+    group.add_argument("--replicas", type=int, default=2)
+    group.add_argument("--min-replicas", type=int,
+                       help="autoscale between --min-replicas and --max-replicas")
+    group.add_argument("--max-replicas", type=int)
+    group.add_argument("--address", help="an existing Ray cluster (e.g. auto, or the head's "
+                       "host:6379); default: start a local one")
+    group.add_argument("--cpus-per-replica", type=float, default=1.0)
+    group.add_argument("--gpus-per-replica", type=float, default=0.0)
+    group.add_argument("--models-per-replica", type=int,
+                       help="models a replica keeps warm before Ray routes a new one "
+                       "elsewhere (default: the registry's models over the replicas)")
 
 
 def _add_limit_arguments(group) -> None:

@@ -65,7 +65,8 @@ def bench_config(args: argparse.Namespace):
         slo=SLO(ttft, tpot), trace=args.trace, trace_speedup=args.trace_speedup,
         seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
         scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
-        home=args.home, out=args.out, quantize=args.quantize)
+        home=args.home, out=args.out, quantize=args.quantize,
+        ray_replicas=args.replicas if args.ray else 0)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -119,6 +120,10 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--home", help="where the models are built (default MOX_HOME)")
     bench.add_argument("--host-memory", help="RAM cache of expert bytes per server (off)")
     bench.add_argument("--kv-memory", default="512MiB")
+    bench.add_argument("--ray", action="store_true",
+                       help="also run rate through `mox serve --ray`, the budget and the cores "
+                       "split between --replicas replicas (pip install 'mox[ray]')")
+    bench.add_argument("--replicas", type=int, default=2, help="with --ray (default 2)")
     bench.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
                        help="serve the models with their experts quantized (built once under "
                             "--home); the budget stays the bf16 models'")

@@ -19,6 +19,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from datetime import datetime
 
+from aiohttp import web
+
 from mox.errors import MoxError
 from mox.messages import ModelState, Request, RequestOutput
 from mox.registry import ModelEntry, Registry
@@ -147,7 +149,26 @@ def registered_models(options: ServeOptions) -> Registry:
     return registry
 
 
-async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> int:
+@dataclass
+class Serving:
+    """One running mox: the router behind its HTTP server, following the registry."""
+
+    backend: RouterBackend
+    runner: web.AppRunner
+    port: int
+    entries: list[ModelEntry]
+    watcher: asyncio.Task
+
+    async def stop(self) -> None:
+        """Stop accepting; in-flight requests get the shutdown grace; then the engine stops."""
+        self.watcher.cancel()
+        await stop_server(self.runner)
+        self.backend.shutdown()
+
+
+async def start_serving(options: ServeOptions) -> Serving:
+    """The registry's models behind the router, on options.host:options.port (0: any free
+    port), following the registry. `mox serve` runs one; so does each Ray replica."""
     registry = registered_models(options)
     entries = registry.list()
     router = Router({e.name: e.path for e in entries}, options.router,
@@ -155,24 +176,28 @@ async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> in
     backend = RouterBackend(router, entries)
     app = create_app(backend, api_key=options.api_key, limits=options.limits)
     runner, port = await start_server(app, options.host, options.port)
-    for entry in entries:
+    watcher = asyncio.create_task(_watch_registry(registry, backend))
+    return Serving(backend, runner, port, entries, watcher)
+
+
+async def serve(options: ServeOptions, ready: asyncio.Event | None = None) -> int:
+    serving = await start_serving(options)
+    router = serving.backend.router
+    for entry in serving.entries:
         served = router.models[entry.name]
         note = f": {served.error}" if served.error else ""
         print(f"mox: {entry.name} {served.state.value}{note}", file=sys.stderr)
-    print(f"mox: serving {len(entries)} models on http://{options.host}:{port}/v1 "
-          f"(policy {options.router.policy})", file=sys.stderr, flush=True)
+    print(f"mox: serving {len(serving.entries)} models on http://{options.host}:"
+          f"{serving.port}/v1 (policy {options.router.policy})", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_watch_registry(registry, backend))
     if ready is not None:
         ready.set()
     await stop.wait()
     print("mox: stopping: finishing in-flight requests", file=sys.stderr, flush=True)
-    watcher.cancel()
-    await stop_server(runner)         # stops accepting; in-flight get the grace period
-    backend.shutdown()
+    await serving.stop()
     return 0
 
 

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -95,18 +96,36 @@ def plan_suite(config: BenchConfig, routing_skew: float) -> SuitePlan:
     return SuitePlan(name, routing_skew, copies, dense, experts, budget, requests)
 
 
+def fleet_label(policy: str, replicas: int) -> str:
+    """A run's name in the results: the policy, or for a Ray run `rate-ray2`."""
+    return f"{policy}-ray{replicas}" if replicas else policy
+
+
+def _free_port() -> int:
+    """Ray's proxy needs its port up front (a plain `mox serve` binds port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerProcess:
-    """`mox serve` as a child process; its stderr is copied to `log_path`."""
+    """`mox serve` as a child process; its stderr is copied to `log_path`. With `replicas`:
+    `mox serve --ray`, each replica a mox with its share of the budget and of the cores."""
 
     def __init__(self, registry_home: str, policy: str, config: BenchConfig, budget: int,
-                 log_path: str) -> None:
+                 log_path: str, replicas: int = 0) -> None:
+        per_server = budget // max(1, replicas)
         self.argv = [sys.executable, "-m", "mox.cli", "serve", "--home", registry_home,
-                     "--port", "0", "--policy", policy, "--device-memory", str(budget),
-                     "--kv-memory", config.kv_memory,
+                     "--port", str(_free_port() if replicas else 0), "--policy", policy,
+                     "--device-memory", str(per_server), "--kv-memory", config.kv_memory,
                      # the per-step timeline (which model stepped, its ms, what it waited on)
                      "--step-log", os.path.splitext(log_path)[0] + ".steps.jsonl"]
         if config.host_memory:
             self.argv += ["--host-memory", config.host_memory]
+        if replicas:
+            cpus = (os.cpu_count() or 1) / replicas
+            self.argv += ["--ray", "--replicas", str(replicas), "--cpus-per-replica",
+                          f"{cpus:g}"]
         self.log_path = log_path
         self.base_url = ""
         self._process: asyncio.subprocess.Process | None = None
@@ -182,13 +201,15 @@ async def wait_ready(generator: LoadGenerator, all_warm: bool) -> None:
 
 
 async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry_home: str,
-                     log_dir: str) -> RunRecord:
+                     log_dir: str, replicas: int = 0) -> RunRecord:
+    """One policy's replay (`replicas`: through `mox serve --ray` with that many)."""
+    label = fleet_label(policy, replicas)
     paths = list(plan.models.values())
     evict_page_cache(paths)
-    log_path = os.path.join(log_dir, f"{plan.name}-{policy}.log")
+    log_path = os.path.join(log_dir, f"{plan.name}-{label}.log")
     started = time.monotonic()
     async with ServerProcess(registry_home, policy, config, plan.device_budget_bytes,
-                             log_path) as server:
+                             log_path, replicas) as server:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=STARTUP_TIMEOUT_S)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -203,9 +224,10 @@ async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry
             results = await replay(generator, plan.requests, deadline_s(config.duration_s))
             final = await scraper.stop()
             load = os.getloadavg()[0]     # the box is shared: say how busy it was
+            fleet = await generator.fleet() if replicas else []
         exit_code = await server.stop()
-    return RunRecord(policy, results, scraper.samples, baseline, final, startup_s, exit_code,
-                     load_average_1m=load)
+    return RunRecord(label, results, scraper.samples, baseline, final, startup_s, exit_code,
+                     load_average_1m=load, replicas=fleet)
 
 
 def ram_bytes() -> int:
@@ -224,14 +246,15 @@ def unrunnable(plan: SuitePlan, policy: str, ram: int) -> str | None:
 
 
 async def _run_policy_safely(config: BenchConfig, plan: SuitePlan, policy: str,
-                             registry_home: str, log_dir: str) -> RunRecord:
+                             registry_home: str, log_dir: str, replicas: int) -> RunRecord:
+    label = fleet_label(policy, replicas)
     why = unrunnable(plan, policy, ram_bytes())
     if why is not None:
-        return RunRecord(policy, [], [], None, None, 0.0, None, error=why)
+        return RunRecord(label, [], [], None, None, 0.0, None, error=why)
     try:
-        return await run_policy(config, plan, policy, registry_home, log_dir)
+        return await run_policy(config, plan, policy, registry_home, log_dir, replicas)
     except HarnessError as e:
-        return RunRecord(policy, [], [], None, None, 0.0, None, error=str(e))
+        return RunRecord(label, [], [], None, None, 0.0, None, error=str(e))
 
 
 def run_suite(config: BenchConfig, routing_skew: float, log_dir: str,
@@ -247,10 +270,13 @@ def run_suite(config: BenchConfig, routing_skew: float, log_dir: str,
         for name, path in plan.models.items():
             registry.add(name, path)
         records = []
-        for policy in config.policies:
+        # --ray N: rate once more, through N replicas with the budget split between them
+        runs = [(p, 0) for p in config.policies] + (
+            [("rate", config.ray_replicas)] if config.ray_replicas else [])
+        for policy, replicas in runs:
             record = asyncio.run(_run_policy_safely(config, plan, policy, registry_home,
-                                                    log_dir))
-            progress(f"[{plan.name}] {policy}: {record.headline()}")
+                                                    log_dir, replicas))
+            progress(f"[{plan.name}] {record.policy}: {record.headline()}")
             records.append(record)
     finally:
         shutil.rmtree(registry_home, ignore_errors=True)

@@ -19,6 +19,7 @@ import time
 import aiohttp
 import msgspec
 
+from mox.bench.loadtest.results_schema import ReplicaResult
 from mox.bench.loadtest.workload import RequestSpec
 from mox.loaders.page_cache import weights_resident_bytes
 
@@ -100,6 +101,14 @@ class LoadGenerator:
             resp.raise_for_status()
             listing = msgspec.json.decode(await resp.read(), type=_ModelList)
         return {card.id: card.state for card in listing.data}
+
+    async def fleet(self) -> list[ReplicaResult]:
+        """A Ray app's replicas (its `/fleet`, mox.fleet.ingress): where requests landed."""
+        async with self.session.get(f"{self.base_url}/fleet") as resp:
+            resp.raise_for_status()
+            reports = msgspec.json.decode(await resp.read())
+        return [ReplicaResult(r, rep["landed"], rep["landed_warm"], rep["warmth"])
+                for r, rep in sorted(reports.items())]
 
     async def send(self, spec: RequestSpec, replay_start: float) -> RequestResult:
         first_to_model = spec.model not in self._seen_models
@@ -217,8 +226,9 @@ class MetricsSample(msgspec.Struct):
 
 def parse_metrics(text: str, t_s: float) -> MetricsSample:
     """Prometheus text exposition -> a sample (histogram buckets and `_created` dropped; the
-    one-hot `mox:model_state` gauge becomes `states`)."""
-    values: dict[str, dict[str, float]] = {}
+    one-hot `mox:model_state` gauge becomes `states`). A Ray app's samples carry a `replica`
+    label: the replicas' values add up, and a model warm on any replica is warm."""
+    merged: dict[tuple[str, tuple], float] = {}
     states: dict[str, str] = {}
     for line in text.splitlines():
         match = _SAMPLE_LINE.match(line)
@@ -228,13 +238,18 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
         if name.endswith(("_bucket", "_created")):
             continue
         labels = dict(_LABEL.findall(match["labels"] or ""))
+        labels.pop("replica", None)
         value = float(match["value"])
         model = labels.get("model", "")
         if name == "mox:model_state":
-            if value == 1.0:
+            if value == 1.0 and states.get(model) != "warm":
                 states[model] = labels.get("state", "")
             continue
-        values.setdefault(name, {})[model] = value
+        key = (name, tuple(sorted(labels.items())))
+        merged[key] = merged.get(key, 0.0) + value
+    values: dict[str, dict[str, float]] = {}
+    for (name, labels), value in merged.items():
+        values.setdefault(name, {})[dict(labels).get("model", "")] = value
     return MetricsSample(t_s, values, states)
 
 

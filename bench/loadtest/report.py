@@ -87,6 +87,27 @@ def per_model_table(suite: Suite) -> list[str]:
     return rows
 
 
+def fleet_table(suite: Suite) -> list[str]:
+    """Per replica of each Ray run: the requests that landed there per model (warm / all) and
+    each model's warmth there at the end."""
+    lines = []
+    for p in suite.policies:
+        if not p.replicas:
+            continue
+        share = p.warm_share
+        lines += [f"{p.policy}: {'-' if share is None else f'{share:.0%}'} of requests landed "
+                  "on a replica where their model was warm.", "",
+                  "| replica | requests landed (warm / all) per model | warmth at the end |",
+                  "|---|---|---|"]
+        for r in p.replicas:
+            landed = ", ".join(f"{m} {r.landed_warm.get(m, 0)}/{n}"
+                               for m, n in sorted(r.landed.items()))
+            warmth = ", ".join(f"{m} {w:.2f}" for m, w in sorted(r.warmth.items()) if w)
+            lines.append(f"| {r.replica} | {landed or '-'} | {warmth or '-'} |")
+        lines.append("")
+    return lines
+
+
 def routing_line(routing: RoutingStats | None) -> str:
     if routing is None:
         return "Routing statistics: not measured."
@@ -122,5 +143,6 @@ def markdown(results: Results, plots: list[str]) -> str:
         lines += ["| rate: figure vs baseline | ratio | target | |", "|---|---|---|---|",
                   *map(target_line, tg), ""]
         lines += per_model_table(suite) + [""]
+        lines += fleet_table(suite)
         lines += [f"![{p}]({p})" for p in plots if p.startswith(suite.name + "-")] + [""]
     return "\n".join(lines)

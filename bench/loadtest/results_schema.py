@@ -41,6 +41,7 @@ class BenchConfig(msgspec.Struct, kw_only=True):
     home: str | None = None           # where the models are built (MOX_HOME)
     out: str = "."
     quantize: str | None = None       # experts int8 | int4 | fp8 (the budget counts bf16's)
+    ray_replicas: int = 0             # > 0: rate also through `mox serve --ray` (budget / N each)
 
 
 class Summary(msgspec.Struct):
@@ -119,6 +120,16 @@ class RequestRecord(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class ReplicaResult(msgspec.Struct):
+    """One replica of a Ray run: requests that landed there per model (and how many found the
+    model warm), and each model's warmth there as the run ended (mox.fleet.warmth)."""
+
+    replica: str
+    landed: dict[str, int]
+    landed_warm: dict[str, int]
+    warmth: dict[str, float]
+
+
 class PolicyResult(msgspec.Struct, kw_only=True):
     policy: str
     error: str | None = None
@@ -139,6 +150,14 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     per_model: list[ModelResult] = []
     timeline: list[TimelinePoint] = []
     requests: list[RequestRecord] = []
+    replicas: list[ReplicaResult] = []      # a Ray run's (`mox bench --ray N`)
+
+    @property
+    def warm_share(self) -> float | None:
+        """Of a Ray run's requests, the share that landed where their model was warm."""
+        landed = sum(n for r in self.replicas for n in r.landed.values())
+        warm = sum(n for r in self.replicas for n in r.landed_warm.values())
+        return warm / landed if landed else None
 
 
 class Target(msgspec.Struct):

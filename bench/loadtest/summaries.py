@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from mox.bench.loadtest.results_schema import (
     ModelResult,
     Pager,
     PolicyResult,
+    ReplicaResult,
     RequestRecord,
     Results,
     Suite,
@@ -47,6 +48,9 @@ TARGETS = (("goodput", "model-swap", 1.5, False), ("goodput", "all-resident", 0.
 FIGURES = {"goodput": lambda p: p.goodput_requests_per_s,
            "TPOT p50": lambda p: p.latency.tpot.p50, "TPOT p99": lambda p: p.latency.tpot.p99,
            "TTFT p99": lambda p: p.latency.ttft.p99, "bytes read": lambda p: p.pager.bytes_read}
+# A Ray run (`mox bench --ray N`) against rate in one process with the whole budget: its
+# goodput ratio, and the share of its requests that landed where their model was warm.
+FLEET_GOODPUT, FLEET_WARM_SHARE = 0.9, 0.9
 MAX_ERROR_KINDS = 5
 RECORD_DECIMALS = 4               # 0.1 ms: far below what a 2-core CPU run resolves
 
@@ -64,6 +68,7 @@ class RunRecord:
     exit_code: int | None
     error: str | None = None
     load_average_1m: float | None = None
+    replicas: list[ReplicaResult] = field(default_factory=list)   # a Ray run's, at its end
 
     def headline(self) -> str:
         if self.error:
@@ -171,7 +176,7 @@ def summarize_policy(run: RunRecord, models: list[str], slo: SLO) -> PolicyResul
         peak_device_used_bytes=int(max((p.device_used_bytes for p in timeline), default=0)),
         peak_page_cache_bytes=int(max((p.page_cache_bytes for p in timeline), default=0)),
         errors=error_kinds(run.results), per_model=per_model, timeline=timeline,
-        requests=[request_record(r, slo) for r in run.results])
+        requests=[request_record(r, slo) for r in run.results], replicas=run.replicas)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -193,6 +198,22 @@ def targets(policies: list[PolicyResult]) -> list[Target]:
                 target.ratio = ratio
                 target.met = ratio <= bound if at_most else ratio >= bound
         out.append(target)
+    return out + fleet_targets(ok)
+
+
+def fleet_targets(ok: dict[str, PolicyResult]) -> list[Target]:
+    """A Ray run's goodput against rate's in one process, and its warm-routed share."""
+    out = []
+    for fleet in [p for p in ok.values() if p.replicas]:
+        goodput = Target(f"{fleet.policy} goodput", "rate", FLEET_GOODPUT, False)
+        if "rate" in ok:
+            goodput.ratio = _ratio(fleet.goodput_requests_per_s,
+                                   ok["rate"].goodput_requests_per_s)
+            goodput.met = None if goodput.ratio is None else goodput.ratio >= FLEET_GOODPUT
+        share = fleet.warm_share
+        out += [goodput, Target(f"{fleet.policy} requests landing where warm (share)", "-",
+                                FLEET_WARM_SHARE, False, share,
+                                None if share is None else share >= FLEET_WARM_SHARE)]
     return out
 
 

@@ -413,6 +413,20 @@ class Router:
         self._apply(self.policy.plan(Admitted(
             admitted.view.with_state(model.name, ModelState.WARM), admitted.park, load)))
 
+    def release(self, name: str) -> None:
+        """Another replica of a fleet serves the model now (mox.fleet): its weights and slots
+        leave as soon as its running requests finish, as a drained turn's do. A pinned model
+        stays; requests that still come wait for admission like a cold model's."""
+        model = self.models.get(name)
+        if model is None or model.state != ModelState.WARM or model.settings.pin:
+            return
+        if self.engine.num_running(name):
+            model.draining = True
+            self.engine.set_draining(name, True)
+            return
+        self.park(model)
+        self.replan()
+
     def park(self, model: ServedModel) -> None:
         """Take the model's weights and expert slots off the device (it runs no sequence; it
         may have some waiting, which wait for it to load again)."""

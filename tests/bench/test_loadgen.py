@@ -119,3 +119,17 @@ mox:device_used_bytes 2.80192e+07
     assert sample.states == {"a": "warm"}
     assert "mox:time_to_first_token_seconds_bucket" not in sample.values
     assert sample.t_s == 1.5
+
+
+def test_parse_metrics_adds_up_a_fleets_replicas():
+    text = """mox:expert_hits_total{model="a",replica="r0"} 40.0
+mox:expert_hits_total{model="a",replica="r1"} 2.0
+mox:device_used_bytes{replica="r0"} 100.0
+mox:device_used_bytes{replica="r1"} 50.0
+mox:model_state{model="a",replica="r0",state="warm"} 1.0
+mox:model_state{model="a",replica="r1",state="cold"} 1.0
+"""
+    sample = parse_metrics(text, 0.0)
+    assert sample.value("mox:expert_hits_total", "a") == 42.0
+    assert sample.value("mox:device_used_bytes") == 150.0
+    assert sample.states == {"a": "warm"}            # warm on any replica

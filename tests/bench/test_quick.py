@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from mox.bench.loadtest.results_schema import SLO, PolicyResult, Results, Summary
+from mox.bench.loadtest.results_schema import SLO, PolicyResult, Results, Suite, Summary
 from mox.bench.loadtest.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
 from mox.bench.loadtest.summaries import meets_slo, summary, targets
 from mox.cli import main
@@ -116,6 +116,27 @@ def test_summary_goodput_rule_and_target_ratios():
     zero = {(t.figure, t.baseline): t for t in targets(
         [policy("rate", 1.0, 4.0, 0.1, 1), policy("model-swap", 4.0, 0.0, 0.1, 1)])}
     assert zero["goodput", "model-swap"].ratio == float("inf")
+
+
+def test_a_ray_runs_targets_compare_with_rate_in_one_process():
+    from mox.bench.loadtest.report import fleet_table
+    from mox.bench.loadtest.results_schema import ReplicaResult, Workload
+
+    replicas = [ReplicaResult("r0", {"a": 10, "b": 2}, {"a": 9, "b": 2}, {"a": 1.0}),
+                ReplicaResult("r1", {"c": 8}, {"c": 7}, {"c": 0.75})]
+    fleet = PolicyResult(policy="rate-ray2", goodput_requests_per_s=0.45, replicas=replicas)
+    assert fleet.warm_share == 0.9
+    found = {t.figure: t for t in targets(
+        [PolicyResult(policy="rate", goodput_requests_per_s=0.5), fleet])}
+    goodput = found["rate-ray2 goodput"]
+    assert goodput.baseline == "rate" and goodput.ratio == pytest.approx(0.9) and goodput.met
+    share = found["rate-ray2 requests landing where warm (share)"]
+    assert share.ratio == 0.9 and share.met
+    suite = Suite("uniform", 0.0, ["a", "b", "c"], 0, 0, 0, Workload(20, 1.0, 8, 8, {}),
+                  None, [fleet], [])
+    table = "\n".join(fleet_table(suite))
+    assert "90% of requests landed" in table
+    assert "| r0 | a 9/10, b 2/2 | a 1.00 |" in table and "| r1 | c 7/8 | c 0.75 |" in table
 
 
 def test_routing_statistics_on_known_patterns():

@@ -30,7 +30,8 @@ def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, **config) -> Router:
+def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, settings=None,
+            **config) -> Router:
     """Models named `names`, each the tiny olmoe checkpoint (8 experts x 2 layers), with a
     device budget of every dense weight plus `experts` experts."""
     path = hf_checkpoints["olmoe"][0]
@@ -38,7 +39,8 @@ def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, **config) -
     dense, expert = probe.models["probe"].dense_nbytes, probe.models["probe"].pool.expert_nbytes
     config = {"dtype": "float32", "kv_memory": 16 << 20, "plan_period_s": 1.0,
               "device_memory": len(names) * dense + experts * expert, **config}
-    return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock())
+    return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock(),
+                  settings=settings)
 
 
 def _step(router: Router, clock: FakeClock | None = None) -> list:
@@ -195,6 +197,32 @@ def test_idle_models_are_parked(hf_checkpoints):
     assert router.models["a"].state == ModelState.COLD
     assert router.residency.used_bytes() == 0
     router.add_request(Request("a2", "a", [3, 4], _params(3)))       # and comes back
+    _run(router, clock, _finished(["a2"]))
+    assert router.models["a"].num_loads == 2
+
+
+def test_a_released_model_parks_once_its_running_requests_finish(hf_checkpoints):
+    """A fleet's replica that no longer holds a model (mox.fleet) releases it: parked now if
+    idle, after its running requests otherwise; a pinned model stays."""
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a", "b", "pinned"), clock=clock, experts=30,
+                     settings={"pinned": ModelSettings(pin=True)})
+    router.warm_up("pinned")
+    router.add_request(Request("a1", "a", [3, 4], _params(3)))
+    _run(router, clock, _finished(["a1"]))
+    router.release("a")                                        # idle: parked at once
+    assert router.models["a"].state == ModelState.COLD
+    router.add_request(Request("b1", "b", [3, 4], _params(30)))
+    _run(router, clock, lambda outs: "b1" in outs)             # b is running
+    router.release("b")
+    assert router.models["b"].state == ModelState.WARM         # finishing its request
+    outputs = _run(router, clock, _finished(["b1"]))
+    assert outputs["b1"][-1].finish_reason == FinishReason.LENGTH
+    _step(router, clock)
+    assert router.models["b"].state == ModelState.COLD
+    router.release("pinned")
+    assert router.models["pinned"].state == ModelState.WARM
+    router.add_request(Request("a2", "a", [3, 4], _params(2)))    # a released model comes back
     _run(router, clock, _finished(["a2"]))
     assert router.models["a"].num_loads == 2
 

@@ -1,0 +1,35 @@
+"""The fleet's request router: Ray Serve's multiplexing sends a model's requests to replicas
+that hold it; this goes further and ranks every candidate by how warm the model is there
+(dense weights on, share of experts resident, from each replica's routing stats) less the
+queue it would wait behind (mox.fleet.warmth): Ray's count of requests sent to the replica,
+fresher than the stats' during a burst."""
+
+from __future__ import annotations
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    MultiplexMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
+
+from mox.fleet.warmth import Candidate, rank
+
+
+class WarmFirstRouter(FIFOMixin, MultiplexMixin, RequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        model = ""
+        if pending_request is not None:
+            model = pending_request.metadata.multiplexed_model_id
+            # when every replica is full, wait before probing again (Ray's multiplex and
+            # locality helpers set this; this router uses neither)
+            pending_request.routing_context.should_backoff = True
+        candidates = [Candidate(r, r.routing_stats or None, model in r.multiplexed_model_ids,
+                                len(r.multiplexed_model_ids),
+                                self.replica_queue_len_cache.get(r.replica_id))
+                      for r in candidate_replicas]
+        return rank(candidates, model)

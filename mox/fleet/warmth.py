@@ -1,0 +1,68 @@
+"""Where a model is warm: what each replica reports of itself, and how the fleet's request
+router ranks replicas for a request (pure functions, tested without Ray).
+
+A replica's report (its Ray Serve routing stats) is a plain dict:
+
+    {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62}}
+
+`warmth` of a model is 0 while its dense weights are off the replica, and 0.5 + half the
+share of its experts resident once they are on (a warm model with no expert in a slot still
+skips the dense load; every expert resident skips every read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+# A wholly warm model is worth this many requests queued ahead on its replica: a cold start of
+# a bench model costs seconds of reads, a queued request about a second of decode.
+QUEUE_PER_WARMTH = 8.0
+
+
+def model_warmth(model: dict) -> float:
+    """One model of a router snapshot (mox.router.Router.snapshot) -> its warmth in [0, 1]."""
+    if not model.get("dense_resident"):
+        return 0.0
+    pager = model.get("pager")
+    if not pager or not pager.get("max_slots"):
+        return 1.0                         # a dense model, or one whose experts are all in
+    resident = pager["resident_bytes"] / (pager["max_slots"] * pager["expert_bytes"])
+    return 0.5 + 0.5 * min(1.0, resident)
+
+
+def replica_report(snapshot: dict) -> dict:
+    """A router snapshot -> the routing stats a replica reports."""
+    models = snapshot["models"]
+    return {"queue": sum(m["running"] + m["waiting"] for m in models.values()),
+            "warmth": {name: model_warmth(m) for name, m in models.items()}}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica: Hashable
+    report: dict | None            # None: the replica has not reported yet
+    holds: bool = False            # the model is in the replica's multiplexed set
+    num_held: int = 0              # models in that set
+    queue: int | None = None       # requests the caller's router has in flight there (None:
+                                   # unknown; the report's queue stands in)
+
+
+def score(candidate: Candidate, model: str) -> float:
+    """Higher is better: the model's warmth there, less the queue it would wait behind. A
+    replica that holds the model but has not reported its residency yet counts half warm."""
+    report = candidate.report or {}
+    warmth = report.get("warmth", {}).get(model, 0.0)
+    if candidate.holds:
+        warmth = max(warmth, 0.5)
+    queue = candidate.queue if candidate.queue is not None else report.get("queue", 0)
+    return warmth - queue / QUEUE_PER_WARMTH
+
+
+def rank(candidates: Sequence[Candidate], model: str) -> list[list[Hashable]]:
+    """The replicas for a request of `model`, best first, as Ray's `choose_replicas` returns
+    them (one rank per replica, so a full replica falls through to the next best). Between
+    equals, the replica holding fewer models: a model warm nowhere starts where there is room."""
+    order = sorted(range(len(candidates)),
+                   key=lambda i: (-score(candidates[i], model), candidates[i].num_held))
+    return [[candidates[i].replica] for i in order]

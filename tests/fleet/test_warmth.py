@@ -1,0 +1,84 @@
+"""The fleet's routing decisions and messages, without a cluster."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mox.fleet.messages import request_fields
+from mox.fleet.warmth import QUEUE_PER_WARMTH, Candidate, model_warmth, rank, replica_report
+
+
+def _model(dense: bool, resident: int = 0, slots: int = 8, running: int = 0, waiting: int = 0):
+    return {"dense_resident": dense, "running": running, "waiting": waiting,
+            "pager": {"resident_bytes": resident * 100, "max_slots": slots,
+                      "expert_bytes": 100}}
+
+
+def test_warmth_counts_dense_weights_then_resident_experts():
+    assert model_warmth(_model(False, resident=8)) == 0.0        # experts without dense: cold
+    assert model_warmth(_model(True, resident=0)) == 0.5
+    assert model_warmth(_model(True, resident=4)) == 0.75
+    assert model_warmth(_model(True, resident=8)) == 1.0
+
+
+def test_replica_report_sums_the_queue_over_models():
+    snapshot = {"models": {"a": _model(True, 8, running=2, waiting=1),
+                           "b": _model(False, waiting=4)}}
+    assert replica_report(snapshot) == {"queue": 7, "warmth": {"a": 1.0, "b": 0.0}}
+
+
+def _report(queue: int, **warmth: float) -> dict:
+    return {"queue": queue, "warmth": warmth}
+
+
+def test_the_replica_where_the_model_is_warm_ranks_first():
+    candidates = [Candidate("r0", _report(0, b=1.0)), Candidate("r1", _report(0, a=1.0))]
+    assert rank(candidates, "a") == [["r1"], ["r0"]]
+    assert rank(candidates, "b") == [["r0"], ["r1"]]
+
+
+def test_a_long_queue_outweighs_warmth():
+    long_queue = int(2 * QUEUE_PER_WARMTH)
+    candidates = [Candidate("warm", _report(long_queue, a=1.0)), Candidate("idle", _report(0))]
+    assert rank(candidates, "a")[0] == ["idle"]
+    candidates = [Candidate("warm", _report(2, a=1.0)), Candidate("idle", _report(0))]
+    assert rank(candidates, "a")[0] == ["warm"]
+
+
+def test_a_model_warm_nowhere_starts_where_fewer_models_are_held():
+    candidates = [Candidate("busy", _report(0), num_held=3),
+                  Candidate("roomy", _report(0), num_held=1)]
+    assert rank(candidates, "new")[0] == ["roomy"]
+
+
+def test_holding_the_model_counts_before_the_first_report():
+    candidates = [Candidate("r0", None), Candidate("r1", None, holds=True, num_held=1)]
+    assert rank(candidates, "a")[0] == ["r1"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.floats(0, 1), st.booleans(),
+                          st.integers(0, 8)), min_size=1, max_size=6))
+def test_rank_lists_every_candidate_once(rows):
+    candidates = [Candidate(i, _report(q, a=w), holds, held)
+                  for i, (q, w, holds, held) in enumerate(rows)]
+    ranked = rank(candidates, "a")
+    assert sorted(r for [r] in ranked) == list(range(len(rows)))
+
+
+def test_request_fields_route_by_model_and_stream():
+    fields = request_fields(b'{"model": "m", "stream": true, "prompt": "x"}')
+    assert (fields.model, fields.stream) == ("m", True)
+    assert request_fields(b'{"prompt": "x"}').model == ""
+    # a body the replica must refuse still routes (as no model), so it gets the proper 400
+    assert request_fields(b"not json").model == ""
+    assert request_fields(b'{"model": 3}').model == ""
+    assert request_fields(b"[1, 2]").model == ""
+
+
+def test_the_routers_own_queue_count_is_fresher_than_the_report():
+    # the report (a second old) says the warm replica is idle; the router has sent it a burst
+    burst = int(2 * QUEUE_PER_WARMTH)
+    candidates = [Candidate("warm", _report(0, a=1.0), queue=burst),
+                  Candidate("idle", _report(0), queue=0)]
+    assert rank(candidates, "a")[0] == ["idle"]
