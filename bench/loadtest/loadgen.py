@@ -107,7 +107,8 @@ class LoadGenerator:
         async with self.session.get(f"{self.base_url}/fleet") as resp:
             resp.raise_for_status()
             reports = msgspec.json.decode(await resp.read())
-        return [ReplicaResult(r, rep["landed"], rep["landed_warm"], rep["warmth"])
+        return [ReplicaResult(r, rep["landed"], rep["landed_warm"], rep["warmth"],
+                              rep["landed_held"])
                 for r, rep in sorted(reports.items())]
 
     async def send(self, spec: RequestSpec, replay_start: float) -> RequestResult:

@@ -94,13 +94,15 @@ def fleet_table(suite: Suite) -> list[str]:
     for p in suite.policies:
         if not p.replicas:
             continue
-        share = p.warm_share
-        lines += [f"{p.policy}: {'-' if share is None else f'{share:.0%}'} of requests landed "
-                  "on a replica where their model was warm.", "",
-                  "| replica | requests landed (warm / all) per model | warmth at the end |",
+        warm, held = (f"{s:.0%}" if s is not None else "-" for s in (p.warm_share,
+                                                                        p.held_share))
+        lines += [f"{p.policy}: {warm} of requests landed on a replica where their model was "
+                  f"warm (dense weights on), {held} on one that held it (in its multiplexed "
+                  "set; the budget may have parked it there).", "",
+                  "| replica | requests landed (warm / held / all) per model | warmth at the end |",
                   "|---|---|---|"]
         for r in p.replicas:
-            landed = ", ".join(f"{m} {r.landed_warm.get(m, 0)}/{n}"
+            landed = ", ".join(f"{m} {r.landed_warm.get(m, 0)}/{r.landed_held.get(m, 0)}/{n}"
                                for m, n in sorted(r.landed.items()))
             warmth = ", ".join(f"{m} {w:.2f}" for m, w in sorted(r.warmth.items()) if w)
             lines.append(f"| {r.replica} | {landed or '-'} | {warmth or '-'} |")

@@ -121,13 +121,16 @@ class RequestRecord(msgspec.Struct, omit_defaults=True):
 
 
 class ReplicaResult(msgspec.Struct):
-    """One replica of a Ray run: requests that landed there per model (and how many found the
-    model warm), and each model's warmth there as the run ended (mox.fleet.warmth)."""
+    """One replica of a Ray run: requests that landed there per model, how many found the
+    model warm (its dense weights on) and how many found it held (in the replica's multiplexed
+    set: routed to where it lives, though the budget may have parked it), and each model's
+    warmth there as the run ended (mox.fleet.warmth)."""
 
     replica: str
     landed: dict[str, int]
     landed_warm: dict[str, int]
     warmth: dict[str, float]
+    landed_held: dict[str, int] = {}
 
 
 class PolicyResult(msgspec.Struct, kw_only=True):
@@ -155,9 +158,17 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     @property
     def warm_share(self) -> float | None:
         """Of a Ray run's requests, the share that landed where their model was warm."""
+        return self._landing_share("landed_warm")
+
+    @property
+    def held_share(self) -> float | None:
+        """... the share that landed on a replica holding their model."""
+        return self._landing_share("landed_held")
+
+    def _landing_share(self, field: str) -> float | None:
         landed = sum(n for r in self.replicas for n in r.landed.values())
-        warm = sum(n for r in self.replicas for n in r.landed_warm.values())
-        return warm / landed if landed else None
+        found = sum(n for r in self.replicas for n in getattr(r, field).values())
+        return found / landed if landed else None
 
 
 class Target(msgspec.Struct):

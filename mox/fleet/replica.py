@@ -33,17 +33,20 @@ REPLICA_HEADER = "x-mox-replica"           # which replica answered (for operato
 
 
 class Held:
-    """A model in the replica's multiplexed set. Ray calls `__del__` when it drops the model
-    from the set; Python calls it again when the object is collected, so it acts once."""
+    """A model in the replica's multiplexed set (`holding`). Ray calls `__del__` when it
+    drops the model from the set; Python calls it again when the object is collected, so it
+    acts once."""
 
-    def __init__(self, name: str, backend: RouterBackend) -> None:
-        self.name, self._backend, self._released = name, backend, False
+    def __init__(self, name: str, backend: RouterBackend, holding: set[str]) -> None:
+        self.name, self._backend, self._holding, self._released = name, backend, holding, False
+        holding.add(name)
 
     def __del__(self) -> None:
         if self._released:
             return
         self._released = True
         name = self.name
+        self._holding.discard(name)
         self._backend.async_engine.call(lambda router: router.release(name))
 
 
@@ -57,8 +60,10 @@ class MoxReplica:
         # limits bound each request
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                               connector=aiohttp.TCPConnector(limit=0))
+        self._holding: set[str] = set()               # the multiplexed set, as Held keeps it
         self._landed: Counter[str] = Counter()        # requests routed here, per model
         self._landed_warm: Counter[str] = Counter()   # ... that found the model warm
+        self._landed_held: Counter[str] = Counter()   # ... that found it in the set
         self._directory = directory(app_name)
         self._reporter = asyncio.create_task(self._report_forever())
         log.info("replica %s serving on %s", self.replica_id, self._base)
@@ -84,11 +89,12 @@ class MoxReplica:
         raise NotImplementedError
 
     def _held(self, model: str) -> Held:
-        return Held(model, self.serving.backend)
+        return Held(model, self.serving.backend, self._holding)
 
     def _count_landing(self, model: str, state: ModelState) -> None:
         self._landed[model] += 1
         self._landed_warm[model] += state == ModelState.WARM
+        self._landed_held[model] += model in self._holding
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve asks every replica for this every second and hands it to the routers
@@ -99,6 +105,7 @@ class MoxReplica:
         body, _ = self.serving.runner.app[METRICS].render()
         return {"actor": self._actor, "node": ray.get_runtime_context().get_node_id(),
                 "landed": dict(self._landed), "landed_warm": dict(self._landed_warm),
+                "landed_held": dict(self._landed_held),
                 "metrics": body.decode(),
                 **replica_report(self.serving.backend.snapshot())}
 

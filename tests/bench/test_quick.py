@@ -122,10 +122,11 @@ def test_a_ray_runs_targets_compare_with_rate_in_one_process():
     from mox.bench.loadtest.report import fleet_table
     from mox.bench.loadtest.results_schema import ReplicaResult, Workload
 
-    replicas = [ReplicaResult("r0", {"a": 10, "b": 2}, {"a": 9, "b": 2}, {"a": 1.0}),
-                ReplicaResult("r1", {"c": 8}, {"c": 7}, {"c": 0.75})]
+    replicas = [ReplicaResult("r0", {"a": 10, "b": 2}, {"a": 9, "b": 2}, {"a": 1.0},
+                              {"a": 10, "b": 1}),
+                ReplicaResult("r1", {"c": 8}, {"c": 7}, {"c": 0.75}, {"c": 8})]
     fleet = PolicyResult(policy="rate-ray2", goodput_requests_per_s=0.45, replicas=replicas)
-    assert fleet.warm_share == 0.9
+    assert fleet.warm_share == 0.9 and fleet.held_share == 0.95
     found = {t.figure: t for t in targets(
         [PolicyResult(policy="rate", goodput_requests_per_s=0.5), fleet])}
     goodput = found["rate-ray2 goodput"]
@@ -135,8 +136,8 @@ def test_a_ray_runs_targets_compare_with_rate_in_one_process():
     suite = Suite("uniform", 0.0, ["a", "b", "c"], 0, 0, 0, Workload(20, 1.0, 8, 8, {}),
                   None, [fleet], [])
     table = "\n".join(fleet_table(suite))
-    assert "90% of requests landed" in table
-    assert "| r0 | a 9/10, b 2/2 | a 1.00 |" in table and "| r1 | c 7/8 | c 0.75 |" in table
+    assert "90% of requests landed" in table and "95% on one that held it" in table
+    assert "| r0 | a 9/10/10, b 2/1/2 | a 1.00 |" in table and "| r1 | c 7/8/8 | c 0.75 |" in table
 
 
 def test_routing_statistics_on_known_patterns():
