@@ -36,6 +36,10 @@ class FleetOptions:
     gpus_per_replica: float = 0.0
     models_per_replica: int | None = None   # None: the registry's models over the replicas
 
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
 
 def models_per_replica(options: FleetOptions, num_models: int) -> int:
     if options.models_per_replica is not None:
@@ -45,7 +49,7 @@ def models_per_replica(options: FleetOptions, num_models: int) -> int:
 
 def _replica_range(options: FleetOptions) -> tuple[int, int]:
     """(min, max) replicas when autoscaling; (N, N) for a fixed count."""
-    if options.min_replicas is None and options.max_replicas is None:
+    if not options.autoscaling:
         return options.replicas, options.replicas
     low = options.min_replicas if options.min_replicas is not None else 1
     return low, options.max_replicas if options.max_replicas is not None else max(low, 1)
@@ -53,7 +57,7 @@ def _replica_range(options: FleetOptions) -> tuple[int, int]:
 
 def _scaling(options: FleetOptions) -> dict:
     low, high = _replica_range(options)
-    if options.min_replicas is None and options.max_replicas is None:
+    if not options.autoscaling:
         return {"num_replicas": low}
     return {"autoscaling_config": {"min_replicas": low, "max_replicas": high,
                                    "target_ongoing_requests": 16}}

@@ -72,20 +72,18 @@ class MoxIngress:
             exchange)
 
     async def _whole(self, exchange: Exchange, model: str) -> Response:
-        """The replica's whole response; retried once if its replica dies (nothing of it
-        reached the client yet)."""
-        for attempt in range(2):
+        """The replica's whole response; tried once more if its replica is lost (nothing of
+        it reached the client yet)."""
+        for attempt in (1, 2):
             try:
                 head, *chunks = [c async for c in self._send(exchange, model)]
+                return Response(b"".join(chunks), status_code=head.status,
+                                headers=dict(head.headers))
             except REPLICA_LOST as e:
-                log.warning("replica died serving %s %s (attempt %d): %s", exchange.method,
-                            exchange.path, attempt + 1, e)
-                if attempt:
-                    return _replica_gone(e)
-                continue
-            return Response(b"".join(chunks), status_code=head.status,
-                            headers=dict(head.headers))
-        raise AssertionError("unreachable")
+                log.warning("replica lost serving %s %s (attempt %d): %s", exchange.method,
+                            exchange.path, attempt, e)
+                lost = e
+        return _replica_gone(lost)
 
     async def _stream(self, exchange: Exchange, model: str) -> Response:
         responses = self._send(exchange, model)
