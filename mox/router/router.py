@@ -416,9 +416,11 @@ class Router:
     def release(self, name: str) -> None:
         """Another replica of a fleet serves the model now (mox.fleet): its weights and slots
         leave as soon as its running requests finish, as a drained turn's do. A pinned model
-        stays; requests that still come wait for admission like a cold model's."""
+        stays, as does every model under a policy that keeps them all (all-resident);
+        requests that still come wait for admission like a cold model's."""
         model = self.models.get(name)
-        if model is None or model.state != ModelState.WARM or model.settings.pin:
+        if (model is None or model.state != ModelState.WARM or model.settings.pin
+                or self.policy.pins_models):
             return
         if self.engine.num_running(name):
             model.draining = True
