@@ -104,6 +104,7 @@ class MoxReplica:
     def report(self) -> dict:
         body, _ = self.serving.runner.app[METRICS].render()
         return {"actor": self._actor, "node": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(),
                 "landed": dict(self._landed), "landed_warm": dict(self._landed_warm),
                 "landed_held": dict(self._landed_held),
                 "metrics": body.decode(),

@@ -1,11 +1,16 @@
-"""`mox serve --ray` end to end: a local Ray cluster (one for the module) running the app with
-two replicas over demo checkpoints, reached through Ray's HTTP proxy on loopback."""
+"""`mox serve --ray` end to end: the command (one for the module, with its own local Ray
+cluster) running two replicas over demo checkpoints, reached through Ray's HTTP proxy on
+loopback."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import openai
@@ -15,8 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from mox.demo import ensure_demo_models
 from mox.fleet.replica import REPLICA_HEADER
 from mox.registry import Registry
-from mox.router import RouterConfig
-from mox.serve import ServeOptions
 
 MODELS = ("olmoe-demo", "qwen2-moe-demo")
 API_KEY = "fleet-key"
@@ -32,27 +35,38 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fleet(demo_home, tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from mox.fleet.app import FleetOptions, build_app
-    from mox.fleet.directory import NAMESPACE
-
+    """`mox serve --ray` as a child process (its own local Ray cluster: Ray never runs in
+    the test process, whose memory other tests measure)."""
     home = str(tmp_path_factory.mktemp("fleet_home"))
     registry = Registry(home)
     demo = ensure_demo_models(demo_home)           # built already: the paths
     for name in MODELS:
         registry.add(name, demo[name])
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    options = ServeOptions(home=home, api_key=API_KEY,
-                           router=RouterConfig(kv_memory=64 << 20))
-    serve.run(build_app(FleetOptions(options, replicas=2, models_per_replica=2), len(MODELS)),
-              name="mox", route_prefix="/")
-    yield {"port": port, "home": home, "demo": demo}
-    serve.shutdown()
-    ray.shutdown()
+    log_path = os.path.join(home, "serve.log")
+    log = open(log_path, "w")                      # the child's; the test reads its own
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mox.cli", "serve", "--ray", "--replicas", "2", "--home", home,
+         "--port", str(port), "--api-key", API_KEY, "--kv-memory", "64MiB",
+         "--models-per-replica", "2"], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        _wait_for(lambda: process.poll() is not None or "serving 2 models on" in _read(log_path),
+                  "mox serve --ray serving")
+        assert process.poll() is None, _read(log_path)[-3000:]
+        yield {"port": port, "home": home, "demo": demo}
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +150,6 @@ def test_a_model_added_to_the_registry_reaches_every_replica(fleet, client):
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(fleet, client):
-    import ray
-
     conn = http.client.HTTPConnection("127.0.0.1", fleet["port"], timeout=WAIT_S)
     conn.request("POST", "/v1/completions", json.dumps(
         {"model": MODELS[0], "prompt": "Hello", "max_tokens": 3000, "stream": True,
@@ -147,8 +159,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(fleet, client
     assert response.status == 200
     replica = response.getheader(REPLICA_HEADER)
     assert response.readline().startswith(b"data: {")          # the stream has begun
-    actor = json.loads(_get(fleet, "/fleet"))[replica]["actor"]
-    ray.kill(ray.get_actor(actor, namespace="serve"))
+    os.kill(json.loads(_get(fleet, "/fleet"))[replica]["pid"], signal.SIGKILL)
     events = [line for line in response.read().split(b"\n\n") if line]
     assert events[-1] == b"data: [DONE]"
     error = json.loads(events[-2].removeprefix(b"data: "))
