@@ -325,8 +325,7 @@ class Router:
         view = self._view()
         victim = self.policy.drain(view)
         if victim is not None:             # draining frees nothing yet: admission is the same
-            self.models[victim].draining = True
-            self.engine.set_draining(victim, True)
+            self._drain(self.models[victim])
         admitted = self.policy.admit(view)
         if admitted.load or admitted.park:
             self._apply(self.policy.plan(admitted))
@@ -338,6 +337,12 @@ class Router:
         self.replan()
         self._loader.start(model, self.dtype, self.device,
                            model.pool.max_slots if whole else 0, stream=False)
+
+    def _drain(self, model: ServedModel) -> None:
+        """The model starts no new request; it is parked once its running ones finish
+        (`_park_drained`)."""
+        model.draining = True
+        self.engine.set_draining(model.name, True)
 
     def _mark_loading(self, model: ServedModel) -> None:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
@@ -423,8 +428,7 @@ class Router:
                 or self.policy.pins_models):
             return
         if self.engine.num_running(name):
-            model.draining = True
-            self.engine.set_draining(name, True)
+            self._drain(model)
             return
         self.park(model)
         self.replan()
