@@ -51,6 +51,8 @@ class IOPool:
     def __init__(self, num_threads: int) -> None:
         self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
         self._seq = itertools.count()
+        self._unfinished = 0                 # calls queued or running
+        self._count_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._work, name=f"mox-io-{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -58,6 +60,8 @@ class IOPool:
 
     def submit(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
         future: Future = Future()
+        with self._count_lock:
+            self._unfinished += 1
         self._queue.put(_Task(priority, next(self._seq), fn, args, future))
         return future
 
@@ -65,15 +69,25 @@ class IOPool:
         """Calls waiting for a thread (approximate: others may take some meanwhile)."""
         return self._queue.qsize()
 
+    @property
+    def busy(self) -> bool:
+        """Whether any call is queued or running (a cancelled one counts until a thread
+        drops it)."""
+        return self._unfinished > 0
+
     def _work(self) -> None:
         use_one_thread()                    # see loaders/threads.py
         while (task := self._queue.get()).priority != _STOP:
-            if not task.future.set_running_or_notify_cancel():
-                continue                                  # cancelled while queued
             try:
-                task.future.set_result(task.fn(*task.args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
-                task.future.set_exception(e)
+                if not task.future.set_running_or_notify_cancel():
+                    continue                              # cancelled while queued
+                try:
+                    task.future.set_result(task.fn(*task.args))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                    task.future.set_exception(e)
+            finally:
+                with self._count_lock:
+                    self._unfinished -= 1
 
     def shutdown(self) -> None:
         for _ in self._threads:
@@ -129,6 +143,11 @@ class StreamingReader:
     def num_queued(self) -> int:
         return self._pool.num_queued()
 
+    @property
+    def busy(self) -> bool:
+        """Reads queued or running: their threads want CPU (a bounce copy, page faults)."""
+        return self._pool.busy
+
     def submit_call(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
         """Run `fn(*args)` on an I/O thread (a load that reads, then copies and commits)."""
         return self._pool.submit(fn, *args, priority=priority)
@@ -173,6 +192,14 @@ class StreamingReader:
             os.close(fd)
 
     def _read_direct(self, run: list[ByteRange], outs: list[torch.Tensor]) -> None:
+        if _aligned(run[0].offset, outs):
+            # the device writes straight into the destinations: no bounce, no copy (the
+            # copy costs as much CPU as the read on a CPU pool, and competes with compute)
+            fd = os.open(run[0].file, os.O_RDONLY | os.O_DIRECT)
+            try:
+                return _preadv_exact(fd, [byte_view(out) for out in outs], run[0].offset, run)
+            finally:
+                os.close(fd)
         start = run[0].offset // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         end = -(-run[-1].end // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
         bounce = self._bounce(end - start)
@@ -218,6 +245,15 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     finally:
         os.close(fd)
     return out.view(info.dtype).view(info.shape)
+
+
+def _aligned(offset: int, outs: list[torch.Tensor]) -> bool:
+    """Whether O_DIRECT can read a run at `offset` straight into `outs`: the file offset,
+    every buffer's address and every length on the alignment (an expert-major import's
+    layout, read into slot pools, whose rows are whole pages)."""
+    return offset % DIRECT_IO_ALIGNMENT == 0 and all(
+        out.data_ptr() % DIRECT_IO_ALIGNMENT == 0 and out.numel() % DIRECT_IO_ALIGNMENT == 0
+        for out in outs)
 
 
 def _preadv_exact(fd: int, views: list[memoryview], offset: int, run: list[ByteRange]) -> None:

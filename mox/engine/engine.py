@@ -12,7 +12,7 @@ Steps run in slices: one whose expert reads are in flight parks while other mode
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -55,11 +55,13 @@ class _Live:
 class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  config: SchedulerConfig | None = None,
-                 compute_threads: int | None = None) -> None:
+                 compute_threads: int | None = None,
+                 io_busy: Callable[[], bool] | None = None) -> None:
         # torch intra-op threads for steps (None: what the process had at start, less the
-        # cores other processes keep busy)
+        # cores other processes keep busy, less one while `io_busy()`)
         self.compute_threads = compute_threads or COMPUTE_THREADS
         self._shared_cores = None if compute_threads else SharedCores(COMPUTE_THREADS)
+        self._io_busy = io_busy
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)
         self.models: dict[str, _Model] = {}
@@ -181,14 +183,25 @@ class Engine:
     def num_live(self) -> int:
         return len(self._live)
 
+    def _threads(self) -> int:
+        if self._shared_cores is None:
+            return self.compute_threads
+        threads = self._shared_cores.current()
+        # The pager's I/O threads want a core while reads are in flight (page faults, copies),
+        # and an OpenMP team waits at every barrier for the member they preempt: one thread
+        # fewer then decodes faster and lets the reads land sooner
+        # (bench/results/cold_beside_decode.md).
+        if self._io_busy is not None and self._io_busy():
+            threads = max(1, threads - 1)
+        return threads
+
     def step(self) -> list[RequestOutput]:
         """Run steps slice by slice (a slice ends at a layer boundary or where a layer waits
         for reads) until one ends or nothing can run. Each slice goes to the oldest step in
         flight that can go on; else a new batch starts; else the oldest step parked on reads
         resumes and waits for them."""
         # an I/O thread's one-thread setting leaks into this thread (mox/engine/threads.py)
-        use_compute_threads(self.compute_threads if self._shared_cores is None
-                            else self._shared_cores.current())
+        use_compute_threads(self._threads())
         self.last_step = None
         outputs, self._carried = self._carried, []
         while True:

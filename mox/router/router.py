@@ -83,7 +83,8 @@ class Router:
         self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock)
         self.engine = Engine(config.kv_memory,
                              config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens),
-                             compute_threads=config.compute_threads)
+                             compute_threads=config.compute_threads,
+                             io_busy=lambda: self.pager.loader.reader.busy)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)
         self.models: dict[str, ServedModel] = {}
         # predictive prefetch (next layer's experts, popular experts into grown pools)

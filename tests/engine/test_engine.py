@@ -216,3 +216,28 @@ def test_the_engine_leaves_the_cores_its_neighbours_use(monkeypatch):
     monkeypatch.setattr(threads.time, "monotonic", lambda: 100.0)
     assert threads.SharedCores(max_threads=4).current() == 4          # no /proc: every core
 
+
+
+def test_the_engine_steps_with_one_thread_fewer_while_reads_are_in_flight(monkeypatch):
+    """The pager's I/O threads want a core while reads land: the engine's team shrinks by one
+    then (never below one), and a count the operator fixed is kept."""
+    import mox.engine.threads as threads
+
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)          # no neighbours to leave
+    busy = [False]
+    engine = Engine(16 << 20, io_busy=lambda: busy[0])
+    engine._shared_cores = threads.SharedCores(max_threads=2)
+    before = torch.get_num_threads()
+    try:
+        engine.step()
+        assert torch.get_num_threads() == 2
+        busy[0] = True
+        engine.step()
+        assert torch.get_num_threads() == 1
+        engine._shared_cores = threads.SharedCores(max_threads=1)
+        engine.step()
+        assert torch.get_num_threads() == 1
+        Engine(16 << 20, compute_threads=2, io_busy=lambda: True).step()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -60,6 +62,35 @@ def test_reads_into_typed_destinations(data_file, reader):
     assert bytes(out.view(torch.uint8).reshape(-1).numpy()) == data[4090:4154]
 
 
+def page_aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + nbytes]
+
+
+def test_aligned_run_is_read_straight_into_its_destinations(data_file):
+    """An aligned run (an expert-major import read into whole-page slots) needs no bounce
+    buffer; the bytes are the file's, scattered across both destinations."""
+    path, data = data_file
+    reader = StreamingReader(num_threads=1, direct=True)
+    try:
+        first, second = page_aligned(4096), page_aligned(2 * 4096)
+        reader.submit([ByteRange(path, 0, 4096), ByteRange(path, 4096, 2 * 4096)],
+                      [first, second]).result()
+        assert bytes(first.numpy()) == data[:4096]
+        assert bytes(second.numpy()) == data[4096:3 * 4096]
+        bounces = reader.submit_call(lambda: getattr(reader._local, "bounce", None)).result()
+        assert bounces is None
+        # one unaligned destination: the whole run goes through the bounce buffer
+        odd = page_aligned(4096 + 1)[1:]
+        reader.submit([ByteRange(path, 0, 4096)], [odd]).result()
+        assert bytes(odd.numpy()) == data[:4096]
+        assert reader.submit_call(lambda: getattr(reader._local, "bounce", None)).result() \
+            is not None
+    finally:
+        reader.close()
+
+
 def test_direct_io_refused_falls_back_to_buffered(data_file, monkeypatch):
     path, data = data_file
     real_open = os.open
@@ -85,3 +116,23 @@ def test_read_past_the_end_names_the_file_and_what(data_file, reader):
 def test_missing_file_names_it(tmp_path, reader):
     with pytest.raises(CheckpointError, match=r"gone\.bin.*cannot read.*expert 1"):
         reader.read([ByteRange(str(tmp_path / "gone.bin"), 0, 10, "expert 1")])
+
+
+def test_the_reader_is_busy_while_a_call_is_queued_or_running():
+    reader = StreamingReader(num_threads=1)
+    release = threading.Event()
+    try:
+        assert not reader.busy
+        first = reader.submit_call(release.wait, 10)
+        second = reader.submit_call(lambda: None)
+        assert reader.busy
+        second.cancel()                       # queued behind `first`: dropped, still counted
+        release.set()
+        assert first.result(timeout=10)
+        deadline = time.monotonic() + 10
+        while reader.busy and time.monotonic() < deadline:    # the count drops just after
+            time.sleep(0.01)
+        assert not reader.busy
+    finally:
+        release.set()
+        reader.close()
