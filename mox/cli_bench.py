@@ -65,7 +65,7 @@ def bench_config(args: argparse.Namespace):
         slo=SLO(ttft, tpot), trace=args.trace, trace_speedup=args.trace_speedup,
         seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
         scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
-        home=args.home, out=args.out, quantize=args.quantize,
+        home=args.home, out=args.out, quantize=args.quantize, expert_major=args.expert_major,
         ray_replicas=args.replicas if args.ray else 0)
 
 
@@ -127,4 +127,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
                        help="serve the models with their experts quantized (built once under "
                             "--home); the budget stays the bf16 models'")
+    bench.add_argument("--expert-major", action="store_true",
+                       help="serve the models repacked as `mox models import` leaves them "
+                            "(each expert one aligned read, straight into its slot); done "
+                            "once, in place under --home")
     bench.set_defaults(func=_bench)

@@ -21,10 +21,10 @@ import torch
 
 from mox.demo_tokenizer import EOS, build_tokenizer, write_tokenizer
 from mox.kernels.quant import IMPORT_FORMATS
-from mox.loaders import parse_config
+from mox.loaders import Checkpoint, parse_config
 from mox.loaders.layout import expected_tensors
 from mox.loaders.quantize import quantize_checkpoint
-from mox.loaders.repack import repack_expert_major
+from mox.loaders.repack import is_expert_major, repack_expert_major
 from mox.loaders.writer import write_json_atomic, write_sharded
 from mox.registry import default_home
 
@@ -284,6 +284,19 @@ def ensure_demo_models(home: str | None = None, preset: str = "demo",
                                  routing_skew=routing_skew, max_shard_bytes=shard)
             paths[name] = path
     return paths
+
+
+def ensure_expert_major(path: str) -> str:
+    """Repack the built checkpoint at `path` expert-major in place (each expert one 4 KiB-aligned
+    range, as `mox models import` writes it, which the pager reads straight into a slot), once:
+    one model's bytes of extra disk at a time."""
+    if is_expert_major(Checkpoint(path)):
+        return path
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+        repack_expert_major(path, os.path.join(tmp, "out"))
+        os.replace(path, os.path.join(tmp, "original"))       # removed with `tmp`
+        os.replace(os.path.join(tmp, "out"), path)
+    return path
 
 
 def ensure_quantized(home: str | None, source: str, kind: str) -> str:

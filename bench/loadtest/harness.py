@@ -38,7 +38,7 @@ from mox.bench.loadtest.workload import (
     SyntheticWorkload,
     TraceWorkload,
 )
-from mox.demo import ensure_demo_models, ensure_quantized
+from mox.demo import ensure_demo_models, ensure_expert_major, ensure_quantized
 from mox.loaders.page_cache import evict
 from mox.registry import Registry, validate_checkpoint
 
@@ -82,6 +82,8 @@ def plan_suite(config: BenchConfig, routing_skew: float) -> SuitePlan:
     """Build (if missing) the suite's models and size its budget and workload."""
     copies = ensure_demo_models(config.home, config.preset, routing_skew,
                                 (config.architecture,), copies=config.num_models)
+    if config.expert_major:
+        copies = {name: ensure_expert_major(path) for name, path in copies.items()}
     facts = [validate_checkpoint(path) for path in copies.values()]
     dense = sum(f.dense_bytes for f in facts)
     experts = sum(f.expert_bytes for f in facts)

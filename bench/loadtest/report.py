@@ -129,7 +129,8 @@ def markdown(results: Results, plots: list[str]) -> str:
              f"CV {c.cv}, {c.rate} req/s for {c.duration_s:g} s"
              + (f" (trace {c.trace})" if c.trace else "")
              + f"; device budget = dense + {c.device_memory_fraction:g} x experts"
-             + (f" (bf16 experts; served {c.quantize})" if c.quantize else "") + "; "
+             + (f" (bf16 experts; served {c.quantize})" if c.quantize else "")
+             + (" (served expert-major)" if c.expert_major else "") + "; "
              f"SLO TTFT {c.slo.ttft_ms:g} ms, TPOT {c.slo.tpot_ms:g} ms.", ""]
     for suite in results.suites:
         w, tg = suite.workload, suite.targets

@@ -41,6 +41,7 @@ class BenchConfig(msgspec.Struct, kw_only=True):
     home: str | None = None           # where the models are built (MOX_HOME)
     out: str = "."
     quantize: str | None = None       # experts int8 | int4 | fp8 (the budget counts bf16's)
+    expert_major: bool = False        # the models repacked as `mox models import` leaves them
     ray_replicas: int = 0             # > 0: rate also through `mox serve --ray` (budget / N each)
 
 

@@ -5,6 +5,7 @@ and the Markdown and plots are written. Plus the pieces the report is made of.""
 from __future__ import annotations
 
 import os
+import shutil
 
 import msgspec
 import numpy as np
@@ -205,3 +206,34 @@ def test_a_quantized_suite_serves_quantized_copies_at_the_bf16_budget(tmp_path):
     assert quantized.expert_bytes < 0.55 * plain.expert_bytes
     for name, path in quantized.models.items():
         assert path != plain.models[name] and path.endswith(".int8")
+
+
+def test_an_expert_major_suite_repacks_its_models_in_place_once(tmp_path):
+    """`--expert-major`: the built models are repacked as `mox models import` leaves them, at
+    the same paths, holding the same tensors; a second plan finds them done."""
+    import argparse
+
+    from mox.bench.loadtest.harness import plan_suite
+    from mox.cli_bench import add_bench_parser, bench_config
+    from mox.loaders import Checkpoint
+    from mox.loaders.repack import is_expert_major
+    from mox.model_import import check_same_tensors
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    argv = ["bench", "--quick", "--home", str(tmp_path), "--models", "2"]
+    plain = plan_suite(bench_config(parser.parse_args(argv)), 0.0)
+    originals = {}
+    for name, path in plain.models.items():
+        assert not is_expert_major(Checkpoint(path))
+        originals[name] = str(tmp_path / f"{name}-original")
+        shutil.copytree(path, originals[name])
+    config = bench_config(parser.parse_args([*argv, "--expert-major"]))
+    repacked = plan_suite(config, 0.0)
+    assert repacked.models == plain.models
+    for name, path in repacked.models.items():
+        assert is_expert_major(Checkpoint(path))
+        check_same_tensors(originals[name], path)
+        mtime = os.stat(os.path.join(path, "config.json")).st_mtime_ns
+        assert plan_suite(config, 0.0).models[name] == path
+        assert os.stat(os.path.join(path, "config.json")).st_mtime_ns == mtime
