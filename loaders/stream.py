@@ -3,9 +3,11 @@
 
 - Adjacent ranges are coalesced into one `preadv` that scatters into the callers' buffers (an
   expert's gate, up and down weights are usually adjacent on disk: one syscall, no copy).
-- O_DIRECT mode reads the 4 KiB-aligned superset of each coalesced run into a reused aligned
-  bounce buffer (bypassing the page cache, as a cold read really is) and copies out; a file
-  or filesystem that refuses O_DIRECT falls back to buffered reads, remembered per file.
+- O_DIRECT mode bypasses the page cache, as a cold read really is. A run whose file offset,
+  buffers and lengths are all 4 KiB-aligned (an expert-major import read into slot pages) is
+  read straight into its buffers; any other goes through the aligned superset in a reused
+  bounce buffer and is copied out. A file or filesystem that refuses O_DIRECT falls back to
+  buffered reads, remembered per file.
 - Files are opened per read, not cached: a checkpoint file deleted or replaced while serving
   fails (or recovers) on the next read instead of reading a stale inode.
 """
