@@ -37,7 +37,11 @@ def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, settings=No
     path = hf_checkpoints["olmoe"][0]
     probe = Router({"probe": path}, RouterConfig(dtype="float32"))
     dense, expert = probe.models["probe"].dense_nbytes, probe.models["probe"].pool.expert_nbytes
+    # a fixed thread count: by default the engine steps with one thread fewer while reads are
+    # in flight, which moves the float sums, hence the greedy tokens, the experts they route to
+    # and the miss-ratio curves these tests' plans follow, with the I/O timing
     config = {"dtype": "float32", "kv_memory": 16 << 20, "plan_period_s": 1.0,
+              "compute_threads": 2,
               "device_memory": len(names) * dense + experts * expert, **config}
     return Router({n: path for n in names}, RouterConfig(**config), clock=clock or FakeClock(),
                   settings=settings)
