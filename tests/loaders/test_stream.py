@@ -79,6 +79,8 @@ def test_aligned_run_is_read_straight_into_its_destinations(data_file):
                       [first, second]).result()
         assert bytes(first.numpy()) == data[:4096]
         assert bytes(second.numpy()) == data[4096:3 * 4096]
+        if path in reader._no_direct:                  # e.g. tmpfs: buffered reads, no bounce
+            pytest.skip("the temp folder's filesystem refuses O_DIRECT")
         bounces = reader.submit_call(lambda: getattr(reader._local, "bounce", None)).result()
         assert bounces is None
         # one unaligned destination: the whole run goes through the bounce buffer
