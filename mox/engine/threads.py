@@ -12,7 +12,9 @@ Unless given a count, the engine also leaves the cores other processes are using
 team waits at every barrier for its slowest member, so a team of 2 on 2 cores beside one busy
 process ran 2.5x slower than a team of 1 (rounds of 150 streams, p50 14.0 s vs 5.7 s; 4.4 s
 with no neighbour; bench/results/stream_rounds.md). `SharedCores` reads the machine's busy
-time from /proc/stat every few seconds and subtracts this process's own.
+time from /proc/stat every few seconds and subtracts this process's own. The engine takes one
+thread fewer still while the pager's reads are in flight (`Engine._threads`): its own I/O
+threads want a core then.
 """
 
 from __future__ import annotations
