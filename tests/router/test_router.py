@@ -115,9 +115,11 @@ def test_steady_traffic_does_not_thrash(hf_checkpoints):
 
 def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     clock = FakeClock()
-    # room for a and b at their run sizes, but not for c's (every expert: its curve is
-    # unknown) beside their working sets (4 each)
-    router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=20)
+    # b is pinned (every expert, 16) so the room does not hang on b's learned run size, which
+    # the greedy tokens decide: room for a and b, but not for c's every expert (its curve is
+    # unknown) beside them; room for c once a is parked
+    router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=32,
+                     settings={"b": ModelSettings(pin=True)})
     # long enough to still run at the turn however many steps it took while b loaded (b's
     # load runs on its own thread in real time, a decodes meanwhile: 60 tokens were sometimes
     # done before the turn, and a with no work is no victim)
@@ -130,9 +132,7 @@ def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     # the busy models below their run sizes
     _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 2)
     assert router.models["c"].state == ModelState.COLD
-    clock.now += TURN_S                   # c has waited a turn: a, loaded first, drains
-    # (within a few steps: making room also needs b's run size, which its threaded load and
-    # the plan period settle in real time)
+    clock.now += TURN_S                   # c has waited a turn: a, unpinned, drains
     _run(router, clock, lambda outs: router.models["a"].draining)
     assert router.models["a"].draining and not router.models["b"].draining
     router.add_request(Request("a-2", "a", [3, 9], _params(2)))    # a starts no new request
