@@ -194,28 +194,28 @@ class StreamingReader:
             os.close(fd)
 
     def _read_direct(self, run: list[ByteRange], outs: list[torch.Tensor]) -> None:
-        if _aligned(run[0].offset, outs):
-            # the device writes straight into the destinations: no bounce, no copy (the
-            # copy costs as much CPU as the read on a CPU pool, and competes with compute)
-            fd = os.open(run[0].file, os.O_RDONLY | os.O_DIRECT)
-            try:
+        fd = os.open(run[0].file, os.O_RDONLY | os.O_DIRECT)
+        try:
+            if _aligned(run[0].offset, outs):
+                # the device writes straight into the destinations: no bounce, no copy (the
+                # copy costs as much CPU as the read on a CPU pool, and competes with compute)
                 return _preadv_exact(fd, [byte_view(out) for out in outs], run[0].offset, run)
-            finally:
-                os.close(fd)
+            self._read_via_bounce(fd, run, outs)
+        finally:
+            os.close(fd)
+
+    def _read_via_bounce(self, fd: int, run: list[ByteRange], outs: list[torch.Tensor]) -> None:
+        """The run's 4 KiB-aligned superset into this thread's bounce buffer, then copied out."""
         start = run[0].offset // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         end = -(-run[-1].end // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
         bounce = self._bounce(end - start)
         view = byte_view(bounce)
-        fd = os.open(run[0].file, os.O_RDONLY | os.O_DIRECT)
-        try:
-            done = 0
-            while done < end - start:
-                n = os.preadv(fd, [view[done:]], start + done)
-                if n == 0:                       # EOF: the last block is short, which is fine
-                    break                        # once every requested byte has arrived
-                done += n
-        finally:
-            os.close(fd)
+        done = 0
+        while done < end - start:
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n == 0:                           # EOF: the last block is short, which is fine
+                break                            # once every requested byte has arrived
+            done += n
         if start + done < run[-1].end:
             raise _truncated(run, start + done)
         pos = run[0].offset - start

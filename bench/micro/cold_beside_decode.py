@@ -7,11 +7,11 @@ Per trial: model A (warm) streams `--decode-tokens` tokens; once it has produced
 model B (parked, its experts on disk) arrives and asks for one token. Reported: B's TTFT (its
 cold read) and A's inter-token gaps before and during B's cold start. The server runs with each
 `--variant` (extra `mox serve` arguments; the default pair compares the engine's default
-compute threads with one), trials alternating between variants; the page cache plays no part
-(mox reads experts with O_DIRECT).
+compute threads with a fixed team of every core), trials alternating between variants; the
+page cache plays no part (mox reads experts with O_DIRECT).
 
     .venv/bin/python -m mox.bench.micro.cold_beside_decode --models-dir /tmp/bh-bench/models
-        [--trials 3] [--variant ''] [--variant '--compute-threads 1'] [--out FILE.md]
+        [--trials 3] [--variant ''] [--variant '--compute-threads 2'] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import aiohttp
 import numpy as np
 
 from mox.bench.micro.stream_rounds import start_server
+from mox.engine.threads import COMPUTE_THREADS
 from mox.registry import Registry
 
 WARM, COLD = "olmoe-bench", "olmoe-bench-1"
@@ -75,18 +76,17 @@ async def trial(base: str, decode_tokens: int) -> dict:
             "tokens_during": int(len(during))}
 
 
-async def run_variant(home: str, budget: str, extra: list[str], trials: int,
-                      decode_tokens: int) -> list[dict]:
-    results = []
-    for _ in range(trials):        # a fresh server per trial: B is cold every time
-        log = tempfile.mktemp(suffix=".steps.jsonl")
-        server, base = start_server(home, budget, "rate", log, extra)
+async def fresh_server_trial(home: str, budget: str, extra: list[str],
+                             decode_tokens: int) -> dict:
+    """One trial on a server of its own, so B is cold (its step log in a temp folder)."""
+    with tempfile.TemporaryDirectory(prefix="mox-cold-beside-log-") as logs:
+        server, base = start_server(home, budget, "rate", os.path.join(logs, "steps.jsonl"),
+                                    extra)
         try:
-            results.append(await trial(base, decode_tokens))
+            return await trial(base, decode_tokens)
         finally:
             server.terminate()
             server.wait(timeout=60)
-    return results
 
 
 def main() -> None:
@@ -98,11 +98,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=600)
     parser.add_argument("--variant", action="append",
                         help="extra mox serve arguments (repeatable; default: '' and "
-                             "'--compute-threads 1')")
+                             "'--compute-threads N' for every core, the engine's team before "
+                             "it left a core to in-flight reads)")
     parser.add_argument("--out")
     args = parser.parse_args()
     argv = [shlex.quote(a) for a in sys.argv[1:]]
-    variants = args.variant or ["", "--compute-threads 1"]
+    variants = args.variant or ["", f"--compute-threads {COMPUTE_THREADS}"]
     home = tempfile.mkdtemp(prefix="mox-cold-beside-")
     registry = Registry(home)
     for name in (WARM, COLD):
@@ -110,8 +111,8 @@ def main() -> None:
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.trials):
         for variant in variants:                    # alternate: noise hits both alike
-            rows[variant] += asyncio.run(run_variant(home, args.budget, shlex.split(variant),
-                                                     1, args.decode_tokens))
+            rows[variant].append(asyncio.run(fresh_server_trial(
+                home, args.budget, shlex.split(variant), args.decode_tokens)))
             print(variant or "(default)", rows[variant][-1], flush=True)
     lines = ["| variant | cold TTFT s (each trial) | A's TPOT before ms | A's TPOT during "
              "B's cold start ms |", "|---|---|---|---|"]
