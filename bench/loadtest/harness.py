@@ -223,13 +223,14 @@ async def run_policy(config: BenchConfig, plan: SuitePlan, policy: str, registry
             origin = time.monotonic()
             baseline = await scraper.scrape()
             scraper.start(origin)
-            results = await replay(generator, plan.requests, deadline_s(config.duration_s))
+            results = await replay(generator, plan.requests, deadline_s(config.duration_s),
+                                   start=origin)
             final = await scraper.stop()
             load = os.getloadavg()[0]     # the box is shared: say how busy it was
             fleet = await generator.fleet() if replicas else []
         exit_code = await server.stop()
     return RunRecord(label, results, scraper.samples, baseline, final, startup_s, exit_code,
-                     load_average_1m=load, replicas=fleet)
+                     load_average_1m=load, replicas=fleet, origin_monotonic_s=origin)
 
 
 def ram_bytes() -> int:

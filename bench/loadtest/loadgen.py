@@ -168,11 +168,12 @@ class LoadGenerator:
 
 
 async def replay(generator: LoadGenerator, requests: list[RequestSpec],
-                 deadline_s: float) -> list[RequestResult]:
+                 deadline_s: float, start: float | None = None) -> list[RequestResult]:
     """Send each request at its arrival time (open loop: never waits for earlier ones), then
     wait for all of them, at most until `deadline_s` after the start; requests still running
-    then are cancelled and reported as failed."""
-    start = time.monotonic()
+    then are cancelled and reported as failed. `start`: the `time.monotonic()` that arrivals
+    count from (default now)."""
+    start = time.monotonic() if start is None else start
     tasks: list[asyncio.Task[RequestResult]] = []
     for spec in requests:
         if spec.arrival_s >= deadline_s:

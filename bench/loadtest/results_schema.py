@@ -155,6 +155,9 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     timeline: list[TimelinePoint] = []
     requests: list[RequestRecord] = []
     replicas: list[ReplicaResult] = []      # a Ray run's (`mox bench --ray N`)
+    # `time.monotonic()` at the replay's start: request and timeline times count from it, and
+    # a server's step log (`--step-log`) uses the same clock (bench/loadtest/tail.py)
+    origin_monotonic_s: float | None = None
 
     @property
     def warm_share(self) -> float | None:

@@ -69,6 +69,7 @@ class RunRecord:
     error: str | None = None
     load_average_1m: float | None = None
     replicas: list[ReplicaResult] = field(default_factory=list)   # a Ray run's, at its end
+    origin_monotonic_s: float | None = None    # the replay's start, on the server's clock
 
     def headline(self) -> str:
         if self.error:
@@ -176,7 +177,8 @@ def summarize_policy(run: RunRecord, models: list[str], slo: SLO) -> PolicyResul
         peak_device_used_bytes=int(max((p.device_used_bytes for p in timeline), default=0)),
         peak_page_cache_bytes=int(max((p.page_cache_bytes for p in timeline), default=0)),
         errors=error_kinds(run.results), per_model=per_model, timeline=timeline,
-        requests=[request_record(r, slo) for r in run.results], replicas=run.replicas)
+        requests=[request_record(r, slo) for r in run.results], replicas=run.replicas,
+        origin_monotonic_s=run.origin_monotonic_s)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

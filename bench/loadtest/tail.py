@@ -1,0 +1,89 @@
+"""What the slowest first tokens of a `mox bench` run waited on: each of a policy's N slowest
+TTFTs, split by its server's per-step timeline (`logs/<suite>-<policy>.steps.jsonl`) into
+the time before its model's prompt step began (admission, a model-swap load, other models'
+steps), that step's wall time with what it stalled and parked on expert reads and the bytes it
+read, and what the other models stepped and read meanwhile.
+
+    python -m mox.bench.loadtest.tail OUT [N]
+
+Request times count from the replay's start, which results.json keeps on the machine's
+monotonic clock (`origin_monotonic_s`), the clock the server's steps are logged on; runs
+recorded before it was kept are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import msgspec
+
+from mox.bench.loadtest.results_schema import RequestRecord
+from mox.bench.loadtest.step_summary import read_steps
+from mox.bench.loadtest.two_runs import load
+from mox.router.timeline import StepRecord
+
+MiB = 2**20
+SLACK_S = 0.05      # the two sides' timestamps: HTTP, tokenizing, the event loop
+
+
+class TailRequest(msgspec.Struct):
+    index: int
+    model: str
+    cold: bool
+    ttft_s: float
+    before_step_s: float        # sent -> its model's first prompt step began
+    step_s: float               # that step's wall time ...
+    stall_s: float              # ... blocked on its expert reads
+    parked_s: float             # ... parked on them while other models stepped
+    step_read_mib: float        # ... and the expert bytes it read
+    others_steps: int           # other models' steps between sending and the first token
+    others_s: float             # their wall time, less what they were parked
+    others_read_mib: float      # expert bytes they read
+
+
+def attribute(request: RequestRecord, steps: list[StepRecord], origin: float) -> TailRequest:
+    """`origin`: the replay's start on the steps' clock."""
+    sent = origin + request.sent_s
+    first = sent + request.ttft_s
+    # its prompt's step: the model's last prompt step that began after it was sent and ended
+    # by its first token (a step that began just before it arrived did not take it)
+    prompts = [s for s in steps if s.model == request.model and s.num_prefill_tokens > 0
+               and s.start >= sent - SLACK_S and s.start + s.seconds <= first + SLACK_S]
+    prompt = prompts[-1] if prompts else None
+    others = [s for s in steps if s.model != request.model and sent <= s.start < first]
+    step = prompt or StepRecord(first, request.model, 0, 0, 0, 0.0)
+    return TailRequest(
+        request.index, request.model, request.cold, request.ttft_s,
+        max(0.0, step.start - sent), step.seconds, step.stall_seconds, step.parked_seconds,
+        step.bytes_read / MiB, len(others), sum(s.seconds - s.parked_seconds for s in others),
+        sum(s.bytes_read for s in others) / MiB)
+
+
+def slowest(requests: list[RequestRecord], steps: list[StepRecord], origin: float, n: int
+            ) -> list[TailRequest]:
+    served = sorted((r for r in requests if r.ttft_s is not None), key=lambda r: -r.ttft_s)
+    return [attribute(r, steps, origin) for r in served[:n]]
+
+
+def table(out: str, n: int = 5) -> str:
+    rows = ["| suite-policy | request (model, cold) | TTFT s | before its step s | its step s "
+            "(stalled / parked) | its step read MiB | others' steps meanwhile (s, read MiB) |",
+            "|---|---|---|---|---|---|---|"]
+    for suite in load(out).suites:
+        for policy in suite.policies:
+            path = os.path.join(out, "logs", f"{suite.name}-{policy.policy}.steps.jsonl")
+            if policy.error or policy.origin_monotonic_s is None or not os.path.exists(path):
+                continue
+            for t in slowest(policy.requests, read_steps(path), policy.origin_monotonic_s, n):
+                rows.append(
+                    f"| {suite.name}-{policy.policy} | #{t.index} ({t.model}, "
+                    f"{'cold' if t.cold else 'warm'}) | {t.ttft_s:.2f} | {t.before_step_s:.2f} | "
+                    f"{t.step_s:.2f} ({t.stall_s:.2f} / {t.parked_s:.2f}) | "
+                    f"{t.step_read_mib:.0f} | {t.others_steps} ({t.others_s:.2f} s, "
+                    f"{t.others_read_mib:.0f}) |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5))
