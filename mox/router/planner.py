@@ -10,9 +10,9 @@ Design note.
   concave hull in indivisible blocks, so the planner gives such a model all of the cliff or
   none of it; whole residency of a hot model and nothing for an idle one fall out of this.
 - Floors first: a pinned model holds every expert; a model with queued or running requests
-  gets its run size (`run_slots`: the smallest pool whose miss rate is within
-  `RUN_EXTRA_MISS_RATE` of a whole pool's on its curve, every expert while the curve has too
-  little history), which admission (mox.router.memory_policy) makes room for before the
+  gets its run size (`run_slots`: the smallest pool whose misses a token are within
+  `RUN_EXTRA_MISSES_PER_TOKEN` of a whole pool's on its curve, every expert while the curve
+  has too little history), which admission (mox.router.memory_policy) makes room for before the
   model may run. A busy model below it re-reads experts every token and slows every model
   that shares the disk and the cores, so waiting for room, as model-swap does, is better:
   model-swap's behaviour is this rule with run size = every expert. Where the run sizes do
@@ -50,12 +50,14 @@ RESIZE_DEADBAND = 0.125
 RESIZE_MIN_INTERVAL_S = 5.0
 # Sizes at which a miss-ratio curve is read when planning (see `_hull_segments`).
 HULL_POINTS = 257
-# A busy model runs at the smallest pool whose miss rate is at most this much above a whole
-# pool's: 5% of a bench olmoe's 32 accesses a token is 1.6 extra 3 MiB reads, ~6 ms at the
-# 3.7 ms a miss cost inside the bench's steps. 25% ran a third model beside two more often
-# but, in one run each (8 bench models, 0.4 req/s), stalled uniform steps 33.5 s against
-# 10 s and read 40 GiB against 30 (TPOT p50 424 ms against 272; bench/results/harness-variants).
-RUN_EXTRA_MISS_RATE = 0.05
+# A busy model runs at the smallest pool whose misses add at most this many reads a token
+# over a whole pool's. A decode miss costs far more than its read: the step parks until the
+# expert lands and resumes after whatever step ran meanwhile, 16 ms a miss in the bench's
+# steps (8 bench models, 0.4 req/s, uniform routing: decode steps with misses 100 ms against
+# 36 without, 4 misses each; bench/results/harness-8-em-1) against a 21 ms decode step. A
+# quarter of a miss a token adds ~4 ms (~20%) to a token; the bound was 5% of the accesses
+# before (1.6 misses a bench token), which missed in half of the decode steps.
+RUN_EXTRA_MISSES_PER_TOKEN = 0.25
 # A curve is trusted for the run size once its recent accesses number this many times the
 # keys it spans (fewer: a first request's prefill and a few tokens, which see little reuse).
 RUN_MIN_HISTORY = 1.0
@@ -135,14 +137,16 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
     return plan
 
 
-def run_slots(hit_rates: np.ndarray, recent_accesses: float) -> int:
-    """The smallest pool whose LRU miss rate is within `RUN_EXTRA_MISS_RATE` of a whole
+def run_slots(hit_rates: np.ndarray, recent_accesses: float, accesses_per_token: int) -> int:
+    """The smallest pool whose LRU misses a token (`accesses_per_token` (layer, expert)
+    accesses: top_k in every MoE layer) are within `RUN_EXTRA_MISSES_PER_TOKEN` of a whole
     pool's on the curve; every slot while the curve has less than `RUN_MIN_HISTORY` accesses
     per key (a model not yet seen runs whole, as model-swap would run it)."""
     num_slots = len(hit_rates) - 1
     if recent_accesses < RUN_MIN_HISTORY * num_slots:
         return num_slots
-    enough = hit_rates >= hit_rates[-1] - RUN_EXTRA_MISS_RATE
+    extra_miss_rate = RUN_EXTRA_MISSES_PER_TOKEN / max(1, accesses_per_token)
+    enough = hit_rates >= hit_rates[-1] - extra_miss_rate
     return int(np.argmax(enough))
 
 

@@ -41,7 +41,9 @@ def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | No
         # (bench/results/harness-honest/README.md)
         request_rate=m.traffic.request_rate(now), last_active=m.last_active,
         oldest_arrival=oldest_arrival, num_layers=m.pool.num_moe_layers,
-        hit_rates=demand.hit_rates, run_slots=run_slots(demand.hit_rates, demand.recent_accesses),
+        hit_rates=demand.hit_rates,
+        run_slots=run_slots(demand.hit_rates, demand.recent_accesses,
+                            m.pool.top_k * m.pool.num_moe_layers),
         accesses_per_request=demand.access_rate / minute_rate if minute_rate > MIN_RATE else 0.0,
         read_bytes_per_s=read_bytes_per_s, resized_ago_s=m.pool.resized_ago(),
         priority=m.settings.priority, pinned=m.settings.pin, loaded_at=m.loaded_at,

@@ -34,7 +34,7 @@ def model(name: str, state: ModelState = ModelState.WARM, *, busy: bool = False,
           loaded_at: float = 0.0) -> ModelView:
     return ModelView(name, state, DENSE, EXPERT, TOP_K, ALL, slots, busy, rate, last_active,
                      arrival, LAYERS, curve, accesses_per_request=10.0,
-                     run_slots=run_slots(curve, history),
+                     run_slots=run_slots(curve, history, TOP_K * LAYERS),
                      loaded_at=loaded_at)
 
 

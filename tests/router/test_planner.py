@@ -11,7 +11,7 @@ from mox.pager.usage import ExpertUsage
 from mox.router.planner import (
     HYSTERESIS,
     RESIZE_MIN_INTERVAL_S,
-    RUN_EXTRA_MISS_RATE,
+    RUN_EXTRA_MISSES_PER_TOKEN,
     ModelDemand,
     Plan,
     plan_slots,
@@ -46,14 +46,17 @@ def _demand(name, rate, has_work=True, layers=2, experts=8, top_k=2, current=0, 
 
 
 def test_the_run_size_is_the_knee_of_the_curve_or_everything_while_unknown():
-    # 16 slots; a cliff at 10 (H(9) = 0.45, H(10) = 0.9, H(16) = 0.92)
+    # 16 slots; a cliff at 10 (H(9) = 0.45, H(10) = 0.9, H(16) = 0.92); 4 accesses a token
     knee = np.concatenate([0.05 * np.arange(10), np.linspace(0.9, 0.92, 7)])
-    assert RUN_EXTRA_MISS_RATE < 0.92 - 0.45
-    assert run_slots(knee, recent_accesses=1000.0) == 10     # the cliff: the rest adds 0.02
-    assert run_slots(knee, recent_accesses=5.0) == 16        # too little history: whole
-    assert run_slots(np.zeros(17), recent_accesses=1000.0) == 0      # no reuse: no size helps
+    extra = RUN_EXTRA_MISSES_PER_TOKEN / 4                   # the miss rate that bound allows
+    assert 0.92 - 0.9 < extra < 0.92 - 0.45
+    assert run_slots(knee, 1000.0, 4) == 10                  # the cliff: the rest adds 0.02
+    assert run_slots(knee, 5.0, 4) == 16                     # too little history: whole
+    assert run_slots(np.zeros(17), 1000.0, 4) == 0           # no reuse: no size helps
     uniform = np.linspace(0.0, 1.0, 17)
-    assert run_slots(uniform, 1000.0) == int(np.ceil(16 * (1 - RUN_EXTRA_MISS_RATE)))
+    assert run_slots(uniform, 1000.0, 4) == int(np.ceil(16 * (1 - extra)))
+    # the bound is in misses a token: a model whose tokens make more accesses runs bigger
+    assert run_slots(uniform, 1000.0, 64) == 16 > run_slots(uniform, 1000.0, 4)
 
 
 def test_busy_models_get_their_run_size_as_a_floor_when_it_fits():
