@@ -12,7 +12,7 @@ from mox.bench.loadtest.plots import MiB, plot_suite
 from mox.bench.loadtest.results_schema import Results, Suite, Target
 from mox.bench.loadtest.routing_stats import RoutingStats
 from mox.bench.loadtest.step_summary import table as step_table
-from mox.bench.loadtest.tail import table as tail_table
+from mox.bench.loadtest.tail import decode_table, ttft_table
 
 RESULTS_FILE, MARKDOWN_FILE = "results.json", "results.md"
 
@@ -30,7 +30,9 @@ def write_report(results: Results, out: str) -> list[str]:
         if steps.count("\n") > 1:
             f.write("\n## Per-step timelines (logs/*.steps.jsonl)\n\n" + steps + "\n")
             f.write("\n## The slowest first tokens, split by the step timelines\n\n"
-                    + tail_table(out) + "\n")
+                    + ttft_table(out) + "\n")
+            f.write("\n## Where decode time went, per output token\n\n"
+                    + decode_table(out) + "\n")
     return paths + plots
 
 

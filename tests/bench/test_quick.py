@@ -59,13 +59,14 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
     assert "| uniform-rate |" in markdown                      # the per-step timeline table
     from mox.bench.loadtest.step_summary import read_steps
-    from mox.bench.loadtest.tail import slowest, table
+    from mox.bench.loadtest.tail import decode_table, slowest, ttft_table
 
     rate = suite.policies[0]
     worst = slowest(rate.requests, read_steps(str(out / "logs" / "uniform-rate.steps.jsonl")),
                     rate.origin_monotonic_s, n=1)[0]     # its prompt step found in the log
     assert 0 < worst.before_step_s + worst.step_s <= worst.ttft_s + 0.05 and worst.step_s > 0
-    assert "| uniform-rate | #" in table(str(out)) and "## The slowest first tokens" in markdown
+    assert "| uniform-rate | #" in ttft_table(str(out)) and "## The slowest first" in markdown
+    assert "| uniform-model-swap |" in decode_table(str(out)) and "## Where decode" in markdown
     from mox.bench.loadtest.two_runs import compare
 
     side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"

@@ -3,7 +3,7 @@
 import pytest
 
 from mox.bench.loadtest.results_schema import RequestRecord
-from mox.bench.loadtest.tail import slowest
+from mox.bench.loadtest.tail import decode_shares, slowest
 from mox.router.timeline import StepRecord
 
 MiB = 2**20
@@ -28,3 +28,19 @@ def test_the_slowest_first_token_is_split_by_its_models_prompt_step():
     assert a.others_steps == 1 and a.others_s == pytest.approx(0.1) and a.others_read_mib == 1
     b = tail[1]
     assert b.before_step_s == pytest.approx(0.05) and b.step_s == 0.25 and b.others_steps == 0
+
+
+def test_decode_time_is_split_into_own_steps_other_models_steps_and_the_rest():
+    # a's 5 tokens decode from 1.0 s to 2.0 s after the replay's start (4 intervals)
+    requests = [RequestRecord(0, "a", 0.0, 0.0, False, 8, 5, True, ttft_s=1.0, tpot_s=0.25,
+                              e2e_s=2.0)]
+    steps = [StepRecord(0.9, "a", 1, 1, 0, 0.2),                  # half inside the window
+             StepRecord(1.1, "b", 1, 1, 0, 0.4, parked_seconds=0.2),
+             StepRecord(1.5, "a", 1, 1, 0, 0.3, stall_seconds=0.1),
+             StepRecord(1.9, "b", 1, 1, 0, 0.2)]                  # half inside
+    d = decode_shares(requests, steps, origin=0.0, tpot_p50_s=0.25)
+    assert d.tpot_p50_ms == 250
+    assert d.own_ms == pytest.approx(1e3 * (0.1 + 0.2) / 4)
+    assert d.own_stall_ms == pytest.approx(1e3 * 0.1 / 4)
+    assert d.others_ms == pytest.approx(1e3 * (0.2 + 0.1) / 4)     # b's parked time is not b's
+    assert d.own_ms + d.own_stall_ms + d.others_ms + d.rest_ms == pytest.approx(250)
