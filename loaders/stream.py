@@ -15,87 +15,22 @@
 from __future__ import annotations
 
 import errno
-import itertools
 import os
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .errors import CheckpointError
+from .io_pool import DEMAND, IOPool
 from .safetensors_format import TensorInfo
-from .threads import use_one_thread
 
 DIRECT_IO_ALIGNMENT = 4096        # logical block size O_DIRECT needs for offset, length, address
 DEFAULT_IO_THREADS = 4            # NVMe needs a few reads in flight; more only adds contention
 T = TypeVar("T")
-DEMAND, PREFETCH = 0, 1           # I/O priorities: a step waiting on a read goes first
-_STOP = 99                        # sorts after every real task: queued work finishes first
-
-
-@dataclass(order=True)
-class _Task:
-    priority: int
-    seq: int
-    fn: Callable[..., Any] = field(compare=False)
-    args: tuple = field(compare=False)
-    future: Future = field(compare=False)
-
-
-class IOPool:
-    """Worker threads taking calls from a priority queue: demand reads overtake queued
-    prefetches; a queued call can be cancelled through its Future."""
-
-    def __init__(self, num_threads: int) -> None:
-        self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._unfinished = 0                 # calls queued or running
-        self._count_lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._work, name=f"mox-io-{i}", daemon=True)
-                         for i in range(num_threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
-        future: Future = Future()
-        with self._count_lock:
-            self._unfinished += 1
-        self._queue.put(_Task(priority, next(self._seq), fn, args, future))
-        return future
-
-    def num_queued(self) -> int:
-        """Calls waiting for a thread (approximate: others may take some meanwhile)."""
-        return self._queue.qsize()
-
-    @property
-    def busy(self) -> bool:
-        """Whether any call is queued or running (a cancelled one counts until a thread
-        drops it)."""
-        return self._unfinished > 0
-
-    def _work(self) -> None:
-        use_one_thread()                    # see loaders/threads.py
-        while (task := self._queue.get()).priority != _STOP:
-            try:
-                if not task.future.set_running_or_notify_cancel():
-                    continue                              # cancelled while queued
-                try:
-                    task.future.set_result(task.fn(*task.args))
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
-                    task.future.set_exception(e)
-            finally:
-                with self._count_lock:
-                    self._unfinished -= 1
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(_Task(_STOP, next(self._seq), None, (), Future()))
-        for thread in self._threads:
-            thread.join()
 
 
 @dataclass(frozen=True)
@@ -153,6 +88,11 @@ class StreamingReader:
     def submit_call(self, fn: Callable[..., T], *args: object, priority: int = DEMAND) -> Future:
         """Run `fn(*args)` on an I/O thread (a load that reads, then copies and commits)."""
         return self._pool.submit(fn, *args, priority=priority)
+
+    def promote(self, future: Future) -> bool:
+        """A call submitted at a lower priority that a step now waits on: to demand priority,
+        if it is still queued (`IOPool.promote`)."""
+        return self._pool.promote(future)
 
     def read_into(self, ranges: Sequence[ByteRange], outs: Sequence[torch.Tensor]) -> None:
         """Fill each `outs[i]` (contiguous CPU tensor of exactly `ranges[i].length` bytes)."""

@@ -121,7 +121,7 @@ class ModelPool(PagedPool):
             now = self.clock()
             self.usage.record(moe_layer, wanted, now)
             self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
-            self._settle_prefetches(moe_layer, set(wanted))
+            self._settle_queued(moe_layer, set(wanted))
             ready, pending, missing = self._classify(moe_layer, wanted)
             started = self._start_loads(moe_layer, missing, prefetched=False)
             pending, missing = pending + started, missing[len(started):]

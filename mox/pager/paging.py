@@ -23,7 +23,7 @@ import torch
 from mox.errors import MoxError
 from mox.kernels import MoEWorkspace
 from mox.loaders import Checkpoint
-from mox.loaders.stream import DEMAND, PREFETCH
+from mox.loaders.io_pool import DEMAND, PREFETCH
 from mox.pager.eviction import ExpertKey, make_policy
 from mox.pager.expert_loader import ExpertLoader, LoadResult
 from mox.pager.slot_pool import SlotPool
@@ -116,23 +116,26 @@ class PagedPool:
             self.counters.stall_seconds += seconds
 
     # ---- filling and emptying slots (the lock held, except `_load`) --------------------
-    def _settle_prefetches(self, moe_layer: int, wanted: set[int]) -> None:
-        """Now that this layer's routing is known: queued prefetches it does not want are
-        dropped (their slots freed), and the ones it wants move ahead of other prefetches."""
+    def _settle_queued(self, moe_layer: int, wanted: set[int]) -> None:
+        """Now that this layer's routing is known: its queued reads that the step wants (a
+        prefetch, or a cold start's read-ahead behind other reads) move to demand priority,
+        and queued prefetches it does not want are dropped (their slots freed)."""
+        reader = self.loader.reader
+        for expert in wanted:
+            future = self._inflight.get((moe_layer, expert))
+            if future is not None:
+                reader.promote(future)
+        if not self.prefetch_enabled:
+            return                              # no prefetches to drop
         pool = self.slot_pool
         for key, future in list(self._inflight.items()):
-            index = pool.loading_slot(key)
-            if key[0] != moe_layer or not pool.slots[index].prefetched:
+            if key[0] != moe_layer or key[1] in wanted:
                 continue
-            if future.cancel():                        # still queued: nothing was read
+            index = pool.loading_slot(key)
+            if pool.slots[index].prefetched and future.cancel():    # still queued: unread
                 del self._inflight[key]
                 pool.clear(index)
-                if key[1] in wanted:
-                    pool.reserve(index, key, prefetched=True)
-                    self._inflight[key] = self.loader.reader.submit_call(
-                        self._load, key, index, priority=DEMAND)
-                else:
-                    self.counters.prefetch_unused += 1
+                self.counters.prefetch_unused += 1
 
     def _start_loads(self, moe_layer: int, experts: list[int], prefetched: bool,
                      protect: set[int] | None = None, preload: bool = False) -> list[int]:

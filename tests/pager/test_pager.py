@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from mox.loaders import Checkpoint, CheckpointError
 from mox.loaders.stream import read_tensor
 from mox.pager import ModelPool, make_pager
 from mox.pager.eviction import LFUPolicy, LRUPolicy, RatePolicy
+from mox.pager.model_pool import Lease
 
 CPU = torch.device("cpu")
 
@@ -190,6 +193,35 @@ def test_prefetch_loads_ahead_and_counts_hits(ckpt):
         pass
     stats = pool.stats()
     assert stats["prefetches"] == 2 and stats["prefetch_hits"] == 2
+
+
+def test_a_read_ahead_a_step_waits_on_moves_to_demand_priority(ckpt, monkeypatch):
+    """A cold start's read-ahead is queued below demand reads, behind other models' read-
+    aheads too: the experts a step then needs must not wait behind all of that."""
+    pool = new_pool(ckpt, num_slots=None)
+    reader = pool.loader.reader
+    promoted = []
+    promote = reader.promote
+    monkeypatch.setattr(reader, "promote", lambda f: promoted.append(f) or promote(f))
+    release = threading.Event()
+    blockers = [reader.submit_call(release.wait, 10) for _ in range(8)]    # every I/O thread
+    try:
+        pool.preload({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}, wait=False)
+        wanted = {e: pool._inflight[(1, e)] for e in (2, 3)}
+        steps = pool.wave_steps(1, [2, 3, 5])       # 5 was not read ahead: a demand read
+        first = next(steps)
+        assert set(promoted) == set(wanted.values())
+        release.set()
+        for item in itertools.chain([first], steps):
+            if not isinstance(item, Lease):
+                item.wait()
+    finally:
+        release.set()
+        for b in blockers:
+            b.result(timeout=10)
+    pool.wait_for_loads()
+    for e in (2, 3, 5):
+        assert_slot_holds(pool, ckpt, (1, e), pool.slot_pool.lookup((1, e)))
 
 
 def test_prefetch_never_evicts_protected_layers(ckpt):
