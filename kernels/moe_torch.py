@@ -32,9 +32,6 @@ GROUPED_MM_MAX_ROWS_PER_EXPERT = 128
 # torch's CPU grouped_mm visits every group, empty or not (a few small ops each): it pays only
 # when most slots of the range it is given are in use.
 GROUPED_MM_MIN_ACTIVE_FRACTION = 0.5
-# Up to this many rows per active expert (decode), the native kernel reads each expert once at
-# the full read rate; past it the GEMMs' arithmetic dominates and torch's paths win.
-NATIVE_MAX_ROWS_PER_EXPERT = 16
 # Int8 experts up to this many rows each go through torch's int8 weight-only GEMM; above it
 # dequantizing to bf16 then one GEMM wins (bench/results/quant_kernels.md).
 INT8PACK_MAX_ROWS_PER_EXPERT = 128
@@ -101,7 +98,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     torch.index_select(x, 0, token_of, out=rows)                          # [P', H] gathered
     active = [slot for slot, n in enumerate(num_per_slot) if n]
     lo, hi = (active[0], active[-1] + 1) if active else (0, 0)
-    if native_experts and num_rows <= NATIVE_MAX_ROWS_PER_EXPERT * len(active):
+    if native_experts and num_rows <= native.max_rows_per_expert() * len(active):
         contrib = _native_experts(rows, experts, [(s, num_per_slot[s]) for s in active],
                                   topk_weights.reshape(-1)[order], ws)
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)

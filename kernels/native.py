@@ -8,7 +8,7 @@ GEMMs torch dispatches to for that shape read bf16 weights at about half this ma
 quarter of the bytes).
 
 The shared library is compiled with the system C compiler into a per-user cache, keyed by the
-sources' hash; without a compiler or a writable cache, on a CPU without AVX512-BF16, or with
+sources' hash; without a compiler or a writable cache, on a CPU without AVX2 + FMA, or with
 `MOX_NATIVE_KERNELS=0`, the `takes*` checks say no and callers keep torch's paths. The plain-C
 path of the same library (`fast=False`) exists so tests can check the arithmetic anywhere.
 """
@@ -37,7 +37,13 @@ from .native_moe import (
 )
 from .quant import FP8, ExpertScales
 
-MAX_ROWS = 8            # x rows per call (decode: sequences); more rows go to torch's GEMMs
+ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
+# Rows of x up to which each vector path beats torch's GEMMs, for `linear` and per expert
+# for `moe_experts`: with AVX512-BF16 torch's oneDNN bf16 GEMM wins beyond a few rows; on an
+# AVX2 CPU torch has no fast bf16 GEMM and the native loops won at every size measured (1-256
+# rows, 2-3x; 32 rows an expert, 2.7x; bench/results/throughput-avx2-run1.md).
+MAX_ROWS = {"avx512bf16": 8, "avx2": 1024}
+MAX_ROWS_PER_EXPERT = {"avx512bf16": 16, "avx2": 1 << 30}
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -83,12 +89,16 @@ class NativeKernels:
                          + [ctypes.c_int64])
         rope.restype = ctypes.c_int
         self._rope = rope
-        self.fast = bool(self._lib.mox_has_avx512bf16())
+        # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
+        # float32 in registers); FP8 experts need the former, integer ones VNNI
+        self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
+        self.fast = self.isa != "plain"
+        self.fast_bf16_dot = self.isa == "avx512bf16"
         self.fast_quantized = bool(self._lib.mox_has_avx512vnni())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
-        """`x [M, K]` bf16 (M <= MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
+        """`x [M, K]` bf16 (M <= 1024), `w [N, K]` bf16 with unit stride along K ->
         `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
                 or w.stride(1) != 1 or w.shape[1] != x.shape[1]
@@ -105,6 +115,8 @@ class NativeKernels:
         status = self._gemv(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
                             out.data_ptr(), out.stride(0), num_rows, n, k,
                             int(out_dtype == torch.bfloat16), int(fast))
+        if status == -2:
+            raise MemoryError("gemv_bf16 could not widen its rows")
         if status != 0:
             raise ValueError(f"gemv_bf16 refused M={num_rows} N={n} K={k} fast={fast}")
         return out
@@ -252,7 +264,8 @@ def _available() -> NativeKernels | None:
 
 
 def _fast(quantized: bool = False) -> bool:
-    """The fast path serves here: AVX512-BF16 for bf16 weights, AVX512-VNNI for quantized."""
+    """The fast path serves here: AVX512-BF16 or AVX2 + FMA for bf16 weights, AVX512-VNNI for
+    quantized."""
     native = _available()
     return native is not None and (native.fast_quantized if quantized else native.fast)
 
@@ -261,7 +274,8 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the fast kernel serves `x @ w.T` here (else torch's GEMM should)."""
     return (_fast() and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
+            and 1 <= x.shape[0] <= MAX_ROWS[kernels().isa]
+            and x.shape[1] % K_MULTIPLE == 0
             and w.dim() == 2 and w.shape[1] == x.shape[1]
             and x.stride(1) == 1 and w.stride(1) == 1)
 
@@ -270,15 +284,24 @@ def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales: ExpertScales | None = None, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None) -> bool:
     """Whether `moe_experts`' fast path serves these experts here (int8, int4 and MXFP4 need
-    AVX512-VNNI, bf16 and FP8 AVX512-BF16; biases must be bf16)."""
+    AVX512-VNNI, FP8 AVX512-BF16, bf16 that or AVX2 + FMA; biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
     integers = scales is not None and scales.fmt.kind != FP8      # activations to int8
+    if scales is not None and scales.fmt.kind == FP8 and not (
+            _available() is not None and kernels().fast_bf16_dot):
+        return False
     multiple = max(QUANT_BLOCK if integers else K_MULTIPLE,
                    0 if scales is None else scales.fmt.block_cols)
     return (_fast(quantized=integers) and rows.device.type == "cpu"
             and rows.dtype == torch.bfloat16 and native_format(scales)
             and all(b is None or b.dtype == torch.bfloat16 for b in (b13, b2))
             and hidden % multiple == 0 and inter % multiple == 0)
+
+
+def max_rows_per_expert() -> int:
+    """Rows an expert up to which `moe_experts` beats torch's GEMMs here (callers check
+    `takes_experts` first)."""
+    return MAX_ROWS_PER_EXPERT[kernels().isa]
 
 
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -11,8 +11,6 @@ are the largest sum over models of `mox:resident_expert_bytes` in any scrape.
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +37,7 @@ from mox.bench.loadtest.results_schema import (
 )
 from mox.bench.loadtest.routing_stats import RoutingStats
 from mox.bench.loadtest.workload import SuitePlan
+from mox.bench.machine import describe
 
 # The targets, same run and budget: (figure, baseline, bound, the ratio is at most it)
 TARGETS = (("goodput", "model-swap", 1.5, False), ("goodput", "all-resident", 0.8, False),
@@ -238,6 +237,5 @@ def summarize_suite(config: BenchConfig, plan: SuitePlan, routing: RoutingStats 
 
 
 def build_results(config: BenchConfig, suites: list[Suite], wall_s: float) -> Results:
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
-    return Results(SCHEMA_VERSION, time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine, wall_s,
+    return Results(SCHEMA_VERSION, time.strftime("%Y-%m-%dT%H:%M:%S%z"), describe(), wall_s,
                    config, suites)

@@ -68,7 +68,7 @@ def candidates(rows: int, k: int, packed: dict) -> dict[str, Callable]:
     if rows == 1:
         out["torch.mv"] = lambda w: torch.mv(w, x[0])
         out["read (torch.max)"] = lambda w: torch.max(w)
-    if kernels is not None and kernels.fast and rows <= native.MAX_ROWS:
+    if kernels is not None and kernels.fast and rows <= native.MAX_ROWS[kernels.isa]:
         out["native"] = lambda w: kernels.gemv(x, w)
     return out
 

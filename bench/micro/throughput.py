@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM
 import mox.models.decoder as decoder
 import mox.models.moe as moe_module
 from mox import LLM
+from mox.bench.machine import describe
 from mox.demo import default_home, ensure_demo_models
 from mox.kernels import native
 from mox.loaders import Checkpoint
@@ -253,9 +254,9 @@ def diagnosis(r: dict) -> list[str]:
 
 
 def write_markdown(path: Path, r: dict) -> None:
-    b, keys = r["batch1"], ("command", "date", "uptime", "git_head", "uncommitted", "torch",
-                            "transformers", "threads", "checkpoint", "copy_gbps", "gemv_gbps",
-                            "native_gbps", "best_gbps", "decode_tokens", "repeats")
+    b, keys = r["batch1"], ("command", "date", "uptime", "machine", "git_head", "uncommitted",
+                            "torch", "transformers", "threads", "checkpoint", "copy_gbps",
+                            "gemv_gbps", "native_gbps", "best_gbps", "decode_tokens", "repeats")
     variants = list(next(iter(r["concurrency"].values()))["tok_s"])
     lines = ["# Decode throughput: mox vs transformers generate (bench olmoe, bf16, CPU)", "",
              *(f"- {k}: {r.get(k)}" for k in keys), "",
@@ -294,6 +295,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32", help="1 is always included")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--name", default="throughput",
+                    help="results as bench/results/NAME.json and NAME.md")
     args = ap.parse_args()
     counts = sorted({int(c) for c in args.concurrency.split(",")} | {1})
     path = next(iter(ensure_demo_models(args.home or default_home(), "bench", 0.0,
@@ -314,7 +317,8 @@ def main() -> None:
                                        ).stdout.split("\n")[:-1],
          "torch": torch.__version__, "transformers": transformers.__version__,
          "uptime": subprocess.run(["uptime"], text=True, capture_output=True).stdout.strip(),
-         "threads": torch.get_num_threads(), "checkpoint": path, "concurrency": {}, "step": {},
+         "machine": describe(), "threads": torch.get_num_threads(), "checkpoint": path,
+         "concurrency": {}, "step": {},
          "decode_tokens": args.decode_tokens, "repeats": args.repeats,
          "num_experts": ckpt.spec.num_experts, "expert_bytes": ckpt.expert_nbytes,
          "moe_layers": ckpt.spec.num_moe_layers}
@@ -349,8 +353,8 @@ def main() -> None:
     print(f"batch 1: mox {r['batch1']['mox_ms']:.1f} ms/token, bound "
           f"{r['batch1']['bound_ms']:.1f} ms", *r["diagnosis"], sep="\n")
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "throughput.json").write_text(json.dumps(r, indent=1) + "\n")
-    write_markdown(RESULTS_DIR / "throughput.md", r)
+    (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(r, indent=1) + "\n")
+    write_markdown(RESULTS_DIR / f"{args.name}.md", r)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ static inline uint16_t f32_to_bf16(float f) {    /* round to nearest even, as to
     return (uint16_t)(bits >> 16);
 }
 
-int mox_has_avx512bf16(void);                     /* in bf16_gemv.c */
+/* The vector path a kernel called with `fast` takes on this CPU (in bf16_gemv.c): AVX512-BF16
+ * dot products, else AVX2 + FMA over weights widened to float32 in registers, else none. */
+enum { ISA_PLAIN, ISA_AVX2, ISA_AVX512BF16 };
+int mox_vector_isa(void);
+int mox_has_avx512bf16(void);
 
 #endif

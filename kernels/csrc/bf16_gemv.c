@@ -5,8 +5,10 @@
  * few rows read it at half the machine's rate. Here each thread walks its rows of w in
  * memory order (one linear stream, which the hardware prefetcher follows at the full read
  * rate), every x row reusing each loaded cache line: AVX512-BF16 dot products (vdpbf16ps)
- * into fp32 accumulators. A plain-C path computes the same sums on CPUs without AVX512-BF16
- * (tests run it everywhere; mox only routes work here where the fast path exists).
+ * into fp32 accumulators, or on CPUs with AVX2 but not AVX-512 (AMD's before Zen 4, most
+ * cloud VMs' older hosts) the weights widened to fp32 in registers and met by FMAs. A plain-C
+ * path computes the same sums on any CPU (tests run it everywhere; mox only routes work here
+ * where a vector path exists).
  *
  * Built at first use by mox/kernels/native.py (cc -O3 -fopenmp); threads are OpenMP's, the
  * same runtime torch uses, so torch.set_num_threads governs both.
@@ -16,9 +18,20 @@
 #include "bf16.h"
 #include "rows.h"
 
+#define MAX_GEMV_ROWS 1024
+
 int mox_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+int mox_vector_isa(void) {
+    __builtin_cpu_init();
+    if (mox_has_avx512bf16())
+        return ISA_AVX512BF16;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return ISA_AVX2;
+    return ISA_PLAIN;
 }
 
 /* a row's M sums into y (float32, or bf16 rounded to nearest even) at column n */
@@ -32,29 +45,32 @@ static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int
     }
 }
 
-static void gemv(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
-                 int64_t ldy, int M, int64_t N, int64_t K, int out_bf16, int fast) {
+static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
+                 int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out_bf16,
+                 int isa) {
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float sums[MAX_ROWS];
-        if (fast)
-            row_avx512(x, ldx, w + n * ldw, sums, 1, M, K);
-        else
-            row_plain(x, ldx, w + n * ldw, sums, 1, M, K);
+        float sums[M];                       /* M <= MAX_GEMV_ROWS: a few KiB of stack */
+        rows_dot(x, xf, ldx, M, w + n * ldw, sums, 1, K, isa);
         store(y, ldy, n, sums, M, out_bf16);
     }
 }
 
 /* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
- * bf16 (ldw). M <= 8; the fast path needs K % 32 == 0 (the caller checks). Returns 0, or -1
- * for arguments it does not take. */
+ * bf16 (ldw). M <= MAX_GEMV_ROWS; the fast path needs K % 32 == 0 (the caller checks). Returns 0, -1
+ * for arguments it does not take, or -2 out of memory. */
 int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                   int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast) {
-    if (M < 1 || M > MAX_ROWS || N < 1 || K < 1)
+    if (M < 1 || M > MAX_GEMV_ROWS || N < 1 || K < 1)
         return -1;
-    if (fast && (K % 32 != 0 || !mox_has_avx512bf16()))
+    int isa = fast ? mox_vector_isa() : ISA_PLAIN;
+    if (fast && (K % 32 != 0 || isa == ISA_PLAIN))
         return -1;
-    gemv(x, ldx, w, ldw, y, ldy, (int)M, N, K, out_bf16, fast);
+    float *xf = widen_rows(x, ldx, M, K, isa);
+    if (isa == ISA_AVX2 && xf == NULL)
+        return -2;
+    gemv(x, xf, xf ? K : ldx, w, ldw, y, ldy, (int)M, N, K, out_bf16, isa);
+    free(xf);
     return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 /* q . k over n values (q float32, k bf16) */
 static float dot_plain(const float *q, const uint16_t *k, int64_t n) {
@@ -41,7 +42,20 @@ static float dot_avx512(const float *q, const uint16_t *k, int64_t n) {
     return s;
 }
 
-/* scores by `dot` (dot_avx512 or dot_plain); the dv loops are elementwise, which the AVX-512
+/* the same with 8 lanes, for CPUs with AVX2 but not AVX-512 */
+__attribute__((target("avx2,fma")))
+static float dot_avx2(const float *q, const uint16_t *k, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), widen8(k + i), acc);
+    float s = sum8(acc);
+    for (; i < n; i++)
+        s += q[i] * bf16_to_f32(k[i]);
+    return s;
+}
+
+/* scores by `dot` (dot_avx512, dot_avx2 or dot_plain); the dv loops are elementwise, which the AVX-512
  * build below gets vectorized by the compiler */
 static inline __attribute__((always_inline)) int attend_one(
         const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
@@ -103,8 +117,8 @@ static inline __attribute__((always_inline)) int attend_one(
     }                                                                                     \
     return failed ? -1 : 0;
 
-/* the same loops twice: once compiled for AVX-512 (16-lane scores; the compiler vectorizes the
- * dv loops with it), once for any CPU */
+/* the same loops three times: compiled for AVX-512 (16-lane scores; the compiler vectorizes
+ * the dv loops with it), for AVX2 (8 lanes), and for any CPU */
 #define DEFINE_ATTEND(name, attributes, dot)                                              \
     attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
                                const uint16_t *keys2, const uint16_t *values,             \
@@ -117,6 +131,7 @@ static inline __attribute__((always_inline)) int attend_one(
     }
 
 DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), dot_avx512)
+DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), dot_avx2)
 DEFINE_ATTEND(attend_plain, , dot_plain)
 
 /* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
@@ -135,9 +150,14 @@ int mox_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     for (int64_t t = 0; t < num_tokens; t++)
         if (lengths[t] < 1)
             return -1;
-    if (fast && !mox_has_avx512bf16())
+    int isa = fast ? mox_vector_isa() : ISA_PLAIN;
+    if (fast && isa == ISA_PLAIN)
         return -1;
-    if (fast)
+    if (isa == ISA_AVX2)
+        return attend_avx2(q, q_stride, keys, keys2, values, k_stride, k2_stride, v_stride,
+                           slots, starts, lengths, num_tokens, h, h_kv, d, d2, dv, scale,
+                           window, out);
+    if (isa == ISA_AVX512BF16)
         return attend_avx512(q, q_stride, keys, keys2, values, k_stride, k2_stride, v_stride,
                              slots, starts, lengths, num_tokens, h, h_kv, d, d2, dv, scale,
                              window, out);

@@ -21,6 +21,8 @@
 #include "rows.h"
 #include "quant_rows.h"
 
+#define CHUNK_ROWS 64          /* weight rows a thread claims at a time: whole QBLOCKs */
+
 int mox_has_avx512vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
@@ -72,16 +74,18 @@ static inline float activate(const gating_t *g, float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
 }
 
-/* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools, the
- * quantized `qx` for quantized ones */
-static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
-                          pool_t p, int64_t s, int64_t n, float *out, int64_t ldy, int64_t K,
-                          int fast) {
+/* row n of slot s against `count` x rows from row `first`: bf16 `x` (and its float32 copy
+ * `xf` on AVX2) for bf16 pools, the quantized `qx` for quantized ones; `isa`: the path (any
+ * but ISA_PLAIN: the quantized pools' VNNI loops) */
+static void pool_rows_dot(const uint16_t *x, const float *xf, const qrows_t *qx, int64_t first,
+                          int64_t count, pool_t p, int64_t s, int64_t n, float *out,
+                          int64_t ldy, int64_t K, int isa) {
     if (p.kind == WEIGHTS_BF16) {
-        rows_dot(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n * K, out,
-                 ldy, K, fast);
+        rows_dot(x + first * K, xf ? xf + first * K : NULL, K, count,
+                 (const uint16_t *)p.w + s * p.stride + n * K, out, ldy, K, isa);
         return;
     }
+    int fast = isa != ISA_PLAIN;
     int64_t row_bytes = p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_FP8 ? K : K / 2;
     const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
     const float *wscale = row_scales(p, s, n, K);
@@ -89,7 +93,7 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
         for (int64_t c = 0; c < count; c += MAX_ROWS) {
             int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
             const uint16_t *xc = x + (first + c) * K;
-            if (fast)
+            if (isa == ISA_AVX512BF16)
                 row_fp8_avx512(xc, K, m, row, wscale, p.group ? p.group : K, K,
                                out + c * ldy, ldy);
             else
@@ -109,14 +113,31 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
     }
 }
 
+/* act [p, i0:i1] = act(gate_up[p, i] + gate bias, gate_up[p, I + i] + up bias), rounded to
+ * bf16 once, as the down projection reads it, for the rows of one active slot */
+static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_t count,
+                          int64_t i0, int64_t i1, int64_t I, const float *gate_up,
+                          uint16_t *act, float *act_f) {
+    for (int64_t i = i0; i < i1; i++) {
+        float bg = bias_at(g->b13, g->b13_stride, slot, i);
+        float bu = bias_at(g->b13, g->b13_stride, slot, I + i);
+        for (int64_t p = first; p < first + count; p++) {
+            act[p * I + i] = f32_to_bf16(activate(g, gate_up[p * 2 * I + i] + bg,
+                                                  gate_up[p * 2 * I + I + i] + bu));
+            if (act_f)                        /* the AVX2 path's float32 copy */
+                act_f[p * I + i] = bf16_to_f32(act[p * I + i]);
+        }
+    }
+}
+
 /* The gated experts of one MoE layer for a few rows each (decode), in one call.
  * `rows` [P, H] bf16: the tokens' hidden states gathered and sorted by slot; active slot a
  * owns rows [starts[a], starts[a] + counts[a]). Weights read in place from the slot pools:
  * w13 slot s ([2I, H]: gate rows, then up rows), w2 ([H, I]).
  * Out: `down` [P, H] f32 = row_weight * (act(gate, up) @ w2[s]^T (+ b2)); act: SiLU(gate) * up
  * or the clamped SwiGLU, on gate_up (+ b13) (`gating`, NULL: SiLU). Scratch: `gate_up`
- * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, split across
- * the threads; the activation is rounded to bf16 once, as the down projection reads it. */
+ * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, in chunks of
+ * CHUNK_ROWS rows claimed by the threads. */
 static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
                        const int64_t *slots, const int64_t *starts, const int64_t *counts,
                        int64_t num_active, const float *row_weights, int64_t H, int64_t I,
@@ -126,7 +147,9 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
     /* activations quantized to int8 for the integer formats */
     int quantized = p13.kind != WEIGHTS_BF16 && p13.kind != WEIGHTS_FP8;
     int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
-    if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || !mox_has_avx512bf16()))
+    int isa = fast ? mox_vector_isa() : ISA_PLAIN;
+    if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || isa == ISA_PLAIN
+                               || (p13.kind == WEIGHTS_FP8 && isa != ISA_AVX512BF16)))
         return -1;
     if (p13.kind == WEIGHTS_FP8 && ((p13.group && p13.group % 32) || (p13.group && H % p13.group)
                                     || (p2.group && I % p2.group)))
@@ -140,11 +163,24 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
     for (int64_t a = 0; a < num_active; a++)
         num_rows += counts[a];
     qrows_t q13 = {0}, q2 = {0};
-    if (quantized && !(qrows_alloc(&q13, num_rows, H) && qrows_alloc(&q2, num_rows, I))) {
+    int bf16_avx2 = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX2;
+    float *rows_f = bf16_avx2 ? widen_rows(rows, H, num_rows, H, isa) : NULL;
+    float *act_f = bf16_avx2 ? malloc(sizeof(float) * (size_t)(num_rows * I)) : NULL;
+    if ((quantized && !(qrows_alloc(&q13, num_rows, H) && qrows_alloc(&q2, num_rows, I)))
+        || (bf16_avx2 && (rows_f == NULL || act_f == NULL))) {
         qrows_free(&q13);
         qrows_free(&q2);
+        free(rows_f);
+        free(act_f);
         return -2;
     }
+    int64_t gate_chunks = (I + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int64_t down_chunks = (H + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    /* Two passes over the weights with one barrier between them (the down rows read every
+     * activation). A thread claims CHUNK_ROWS gate rows and the same up rows at a time and
+     * finishes their activations itself, so no barrier sits between gate_up and act; claims
+     * are dynamic because on a VM the two threads rarely get equal shares of the memory
+     * bus, and under a static split the first one done waits at the barrier. */
     #pragma omp parallel
     {
         if (quantized) {
@@ -153,41 +189,42 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
                 quantize_row(rows + p * H, H, packed, q13.q + p * H,
                              q13.scale + p * (H / QBLOCK), q13.sum32 + p * (H / 32));
         }
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < num_active * n13; j++) {
-            int64_t a = j / n13, n = j % n13;
-            pool_rows_dot(rows, &q13, starts[a], counts[a], p13, slots[a], n,
-                          gate_up + starts[a] * n13 + n, n13, H, fast);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < num_active * gate_chunks; j++) {
+            int64_t a = j / gate_chunks, i0 = (j % gate_chunks) * CHUNK_ROWS;
+            int64_t i1 = i0 + CHUNK_ROWS < I ? i0 + CHUNK_ROWS : I;
+            float *gu = gate_up + starts[a] * n13;
+            for (int64_t n = i0; n < i1; n++)            /* gate rows, then the same up rows */
+                pool_rows_dot(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], n,
+                              gu + n, n13, H, isa);
+            for (int64_t n = I + i0; n < I + i1; n++)
+                pool_rows_dot(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], n,
+                              gu + n, n13, H, isa);
+            activate_rows(g, slots[a], starts[a], counts[a], i0, i1, I, gate_up, act, act_f);
+            if (quantized)                   /* a chunk is whole blocks of QBLOCK values */
+                for (int64_t p = starts[a]; p < starts[a] + counts[a]; p++)
+                    quantize_row(act + p * I + i0, i1 - i0, packed, q2.q + p * I + i0,
+                                 q2.scale + p * (I / QBLOCK) + i0 / QBLOCK,
+                                 q2.sum32 + p * (I / 32) + i0 / 32);
         }
-        /* (computing gate row i with up row I + i in one pass, two streams a thread, read
-         * the weights slower here than one stream and this pass) */
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < num_active * I; j++) {
-            int64_t a = j / I, i = j % I;
-            float bg = bias_at(g->b13, g->b13_stride, slots[a], i);
-            float bu = bias_at(g->b13, g->b13_stride, slots[a], I + i);
-            for (int64_t p = starts[a]; p < starts[a] + counts[a]; p++)
-                act[p * I + i] = f32_to_bf16(activate(g, gate_up[p * n13 + i] + bg,
-                                                      gate_up[p * n13 + I + i] + bu));
-        }
-        if (quantized) {
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < num_rows; p++)
-                quantize_row(act + p * I, I, packed, q2.q + p * I, q2.scale + p * (I / QBLOCK),
-                             q2.sum32 + p * (I / 32));
-        }
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < num_active * H; j++) {
-            int64_t a = j / H, h = j % H;
-            float *out = down + starts[a] * H + h;
-            pool_rows_dot(act, &q2, starts[a], counts[a], p2, slots[a], h, out, H, I, fast);
-            float bias = bias_at(g->b2, g->b2_stride, slots[a], h);
-            for (int64_t c = 0; c < counts[a]; c++)
-                out[c * H] = (out[c * H] + bias) * row_weights[starts[a] + c];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < num_active * down_chunks; j++) {
+            int64_t a = j / down_chunks, h0 = (j % down_chunks) * CHUNK_ROWS;
+            int64_t h1 = h0 + CHUNK_ROWS < H ? h0 + CHUNK_ROWS : H;
+            for (int64_t h = h0; h < h1; h++) {
+                float *out = down + starts[a] * H + h;
+                pool_rows_dot(act, act_f, &q2, starts[a], counts[a], p2, slots[a], h, out, H,
+                              I, isa);
+                float bias = bias_at(g->b2, g->b2_stride, slots[a], h);
+                for (int64_t c = 0; c < counts[a]; c++)
+                    out[c * H] = (out[c * H] + bias) * row_weights[starts[a] + c];
+            }
         }
     }
     qrows_free(&q13);
     qrows_free(&q2);
+    free(rows_f);
+    free(act_f);
     return 0;
 }
 

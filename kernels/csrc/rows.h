@@ -5,10 +5,12 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
 #define MAX_ROWS 8
+#define AVX2_ROWS 4            /* x rows per pass on AVX2: 8 accumulators of its 16 registers */
 
 /* one weight row against M x rows; K a multiple of 32 */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
@@ -36,6 +38,45 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
         out[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
+/* bf16 widened to float32 (its bits are the float's top half), 8 at a time */
+__attribute__((target("avx2,fma")))
+static inline __m256 widen8(const uint16_t *w) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+__attribute__((target("avx2,fma")))
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* one weight row against M <= AVX2_ROWS x rows already widened to float32 (`xf`, row stride
+ * ldx): AVX2 has no bf16 dot product, so the weights are widened in registers and met by
+ * FMAs; the activations are widened once per call, not once per weight row */
+__attribute__((target("avx2,fma")))
+static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, float *out,
+                            int64_t ldy, int M, int64_t K) {
+    __m256 acc[AVX2_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {          /* two independent chains per x row */
+        __m256 w0 = widen8(row + k), w1 = widen8(row + k + 8);
+        for (int m = 0; m < M; m++) {
+            const float *xm = xf + m * ldx + k;
+            acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float sum = sum8(_mm256_add_ps(acc[m][0], acc[m][1]));
+        for (int64_t j = k; j < K; j++)
+            sum += xf[m * ldx + j] * bf16_to_f32(row[j]);
+        out[m * ldy] = sum;
+    }
+}
+
 static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
                       int64_t ldy, int M, int64_t K) {
     for (int m = 0; m < M; m++) {
@@ -46,16 +87,34 @@ static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float
     }
 }
 
-/* one weight row against `count` x rows (any count: MAX_ROWS at a time, the row stays in L1) */
-static inline void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const uint16_t *row,
-                            float *out, int64_t ldy, int64_t K, int fast) {
-    for (int64_t c = 0; c < count; c += MAX_ROWS) {
-        int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        if (fast)
+/* one weight row against `count` x rows (any count, a few at a time: the row stays in L1) on
+ * the path `isa` names: bf16 `x` for AVX512-BF16 and plain C, its float32 copy `xf` (the same
+ * row stride) for AVX2 */
+static inline void rows_dot(const uint16_t *x, const float *xf, int64_t ldx, int64_t count,
+                            const uint16_t *row, float *out, int64_t ldy, int64_t K, int isa) {
+    int step = isa == ISA_AVX2 ? AVX2_ROWS : MAX_ROWS;
+    for (int64_t c = 0; c < count; c += step) {
+        int m = count - c < step ? (int)(count - c) : step;
+        if (isa == ISA_AVX512BF16)
             row_avx512(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
+        else if (isa == ISA_AVX2)
+            row_avx2(xf + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
         else
             row_plain(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
     }
+}
+
+/* bf16 rows [M, K] (row stride ldx) as float32 [M, K] for the AVX2 path, or NULL (other
+ * paths need none; NULL too if out of memory, which the caller reports) */
+static inline float *widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                                int isa) {
+    if (isa != ISA_AVX2)
+        return NULL;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    for (int64_t m = 0; xf != NULL && m < M; m++)
+        for (int64_t k = 0; k < K; k++)
+            xf[m * K + k] = bf16_to_f32(x[m * ldx + k]);
+    return xf;
 }
 
 #endif

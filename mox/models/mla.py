@@ -71,11 +71,12 @@ def mla_attention(spec: ModelSpec, w: MLAWeights, layer: int, x: torch.Tensor,
 
 
 def absorbed_decode(mla: MLASpec, kv_b: torch.Tensor, layer: int, q_nope: torch.Tensor,
-                    q_rope: torch.Tensor, batch: ForwardBatch,
-                    window: int | None) -> torch.Tensor:
+                    q_rope: torch.Tensor, batch: ForwardBatch, window: int | None,
+                    fast: bool = True) -> torch.Tensor:
     """Decode attention over the cached latents read in place: q_nope . (W_uk c) is
     (q_nope W_uk) . c, and sum_j p_j W_uv c_j is W_uv sum_j p_j c_j, so no key or value is
-    expanded per head. `[T, h, d_v]`."""
+    expanded per head. `[T, h, d_v]`; `fast`: the kernel's AVX-512 path (serving takes this
+    path only where it runs), else its plain C."""
     heads = q_nope.shape[1]
     w_uk, w_uv = kv_b.view(heads, mla.qk_nope_head_dim + mla.v_head_dim,
                            mla.kv_lora_rank).split([mla.qk_nope_head_dim, mla.v_head_dim],
@@ -86,7 +87,7 @@ def absorbed_decode(mla: MLASpec, kv_b: torch.Tensor, layer: int, q_nope: torch.
     starts, lengths = batch.key_ranges
     out_latent = native.kernels().decode_attention(
         query, latents, latents, batch.kv_slots, starts, lengths, mla.softmax_scale, window,
-        keys2=rope_keys)                                                 # [T, h, r] f32
+        keys2=rope_keys, fast=fast)                                      # [T, h, r] f32
     return torch.einsum("thr,hvr->thv", out_latent.to(q_nope.dtype), w_uv)
 
 

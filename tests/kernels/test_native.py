@@ -1,6 +1,6 @@
 """The native CPU decode kernels (kernels/csrc/bf16_gemv.c) against fp32 references: the
 matrix-vector products and the fused SiLU experts, on both of the library's paths (the
-AVX512-BF16 one runs where the CPU has it; the plain-C one everywhere), and the fused-MoE
+AVX512-BF16 or AVX2 one runs where the CPU has it; the plain-C one everywhere), and the fused-MoE
 entry point with and without them."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from mox.loaders.rope import RopeSpec
 from mox.models.rotary import Rotary
 
 NATIVE = native.kernels()
+# the plain-C path, and the vector path this CPU has (AVX512-BF16, or AVX2 + FMA)
 PATHS = [pytest.param(False, id="plain"),
-         pytest.param(True, id="avx512bf16", marks=pytest.mark.skipif(
-             NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX512-BF16"))]
+         pytest.param(True, id="vector", marks=pytest.mark.skipif(
+             NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX2 + FMA"))]
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 
 
@@ -45,7 +46,7 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take(fast):
     torch.testing.assert_close(NATIVE.gemv(x, w, fast=fast), x.float() @ w.float().t(),
                                rtol=1e-4, atol=1e-2)
     with pytest.raises(ValueError):
-        NATIVE.gemv(_bf16(9, 64, seed=5), w, fast=fast)          # more rows than it takes
+        NATIVE.gemv(_bf16(1025, 64, seed=5), w, fast=fast)       # more rows than it takes
     with pytest.raises(ValueError):
         NATIVE.gemv(x.float(), w.float(), fast=fast)
 
@@ -180,7 +181,8 @@ def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():
                                    atol=2e-2)
 
 
-def test_mla_absorbed_decode_equals_attending_over_expanded_keys():
+@pytest.mark.parametrize("fast", PATHS)
+def test_mla_absorbed_decode_equals_attending_over_expanded_keys(fast):
     """MLA decode reading the cached latents in place (kv_b folded into the query and the
     output) against the expanded per-head keys and values the reference builds."""
     from functools import partial
@@ -211,7 +213,7 @@ def test_mla_absorbed_decode_equals_attending_over_expanded_keys():
     expanded = attend(batch, 0, torch.cat((q_nope, q_rope), -1), None,
                       scale=mla.softmax_scale, expand=partial(_expand, mla, heads, kv_b))
     batch.key_ranges = ends - torch.tensor(lengths), torch.tensor(lengths)
-    absorbed = absorbed_decode(mla, kv_b, 0, q_nope, q_rope, batch, None)
+    absorbed = absorbed_decode(mla, kv_b, 0, q_nope, q_rope, batch, None, fast=fast)
     assert expanded.abs().mean() > 0.1                  # values of order one: the tolerance bites
     torch.testing.assert_close(absorbed.float(), expanded.float(), rtol=3e-2, atol=3e-2)
 
