@@ -229,6 +229,16 @@ def test_a_pool_is_not_resized_twice_within_the_interval():
     assert settle(Plan({"a": 12, "b": 4}, 16 * NBYTES), small) == {"a": 12, "b": 4}
 
 
+def test_a_pool_below_its_run_floor_grows_however_small_the_step():
+    # a uniform curve's run floor is every slot: 15 of 16 held, a miss nearly every token
+    for resized_ago_s in (float("inf"), RESIZE_MIN_INTERVAL_S / 2):
+        below = [_demand("a", 1.0, current=15, run=16, resized_ago_s=resized_ago_s)]
+        assert settle(Plan({"a": 16}, 16 * NBYTES), below) == {"a": 16}
+    # at its floor the band still holds it (no churn for a slot's difference)
+    at_floor = [_demand("a", 1.0, current=15, run=15)]
+    assert settle(Plan({"a": 16}, 16 * NBYTES), at_floor) == {"a": 15}
+
+
 @settings(max_examples=60, deadline=None)
 @given(rates=st.lists(st.floats(0, 100), min_size=1, max_size=5),
        budget_slots=st.integers(10, 100), current=st.lists(st.integers(0, 16), min_size=5,
