@@ -40,8 +40,9 @@ from .quant import FP8, ExpertScales
 ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
 # Rows of x up to which each vector path beats torch's GEMMs, for `linear` and per expert
 # for `moe_experts`: with AVX512-BF16 torch's oneDNN bf16 GEMM wins beyond a few rows; on an
-# AVX2 CPU torch has no fast bf16 GEMM and the native loops won at every size measured (1-256
-# rows, 2-3x; 32 rows an expert, 2.7x; bench/results/throughput-avx2-run1.md).
+# AVX2 CPU torch has no fast bf16 GEMM and the native loops won at every size measured
+# (bench/results/read_rate_avx2.md: 2-3x at 8-128 rows; kernels_cpu_avx2.md: 2.8x at 1024
+# tokens, 64 rows an expert).
 MAX_ROWS = {"avx512bf16": 8, "avx2": 1024}
 MAX_ROWS_PER_EXPERT = {"avx512bf16": 16, "avx2": 1 << 30}
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.

@@ -2,6 +2,7 @@
 
 For each token count T it times, on the same weights and the same routing:
   mox          mox.kernels.fused_moe(backend="torch"), experts read through a shuffled slot map
+  mox-torch-paths  the same with the native CPU kernels off (torch's GEMMs only)
   hf:<impl>    transformers' Qwen3MoeExperts in every experts implementation that runs here
                (selected by `config._experts_implementation`: "eager" = per-expert loop,
                "grouped_mm" = torch.nn.functional.grouped_mm, "batched_mm" = gathered bmm, ...)
@@ -39,7 +40,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from mox.kernels import MoEWorkspace, fused_moe, moe_torch
+from mox.bench.machine import describe
+from mox.kernels import MoEWorkspace, fused_moe, moe_torch, native
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
 # A disagreement larger than this fraction of the output's magnitude is a bug, not rounding:
@@ -126,6 +128,11 @@ def make_variants(weights: Weights, shape: Shape, impls: list[str], num_tokens: 
     variants = {"mox": lambda: fused_moe(x, weights.w13, weights.w2, mox_weights, mox_ids,
                                          weights.slot_of, backend="torch",
                                          workspace=workspace)}
+
+    def torch_paths() -> torch.Tensor:      # the native kernels off: where each path wins
+        with native.torch_paths():
+            return variants["mox"]()
+    variants["mox-torch-paths"] = torch_paths
     gather_bytes = num_tokens * shape.top_k * 3 * shape.inter * shape.hidden * 2
     for impl in impls:
         if impl == "batched_mm" and gather_bytes > MAX_BATCHED_GATHER_BYTES:
@@ -225,12 +232,12 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict], impls: list[str]) -> str:
     hf = [f"hf:{impl}" for impl in impls]
-    cols = ["T", "mox ms", *[f"{n} ms" for n in hf], "dense ms", "weight-read floor ms",
-            "vs eager", "vs grouped_mm", "mox GFLOP/s", "dense GFLOP/s", "mox % dense",
-            "mox / max(floor, dense)"]
+    cols = ["T", "mox ms", "mox-torch-paths ms", *[f"{n} ms" for n in hf], "dense ms",
+            "weight-read floor ms", "vs eager", "vs grouped_mm", "mox GFLOP/s", "dense GFLOP/s",
+            "mox % dense", "mox / max(floor, dense)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [str(r["tokens"]), f"{r['ms']['mox']:.2f}"]
+        cells = [str(r["tokens"]), f"{r['ms']['mox']:.2f}", f"{r['ms']['mox-torch-paths']:.2f}"]
         cells += [f"{r['ms'][n]:.2f}" if n in r["ms"] else "skip" for n in hf]
         cells += [f"{r['ms']['dense']:.2f}", f"{r['ms']['floor']:.2f}",
                   *[f"{r['speedup'][n]:.2f}x" if n in r["speedup"] else "-"
@@ -241,14 +248,15 @@ def format_table(rows: list[dict], impls: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(meta: dict, rows: list[dict], targets: list[dict], table: str) -> None:
+def write_results(meta: dict, rows: list[dict], targets: list[dict], table: str,
+                  name: str) -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
     report = {**meta, "rows": rows, "targets": targets}
-    (RESULTS_DIR / "kernels_cpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     notes = [f"- {key}: {value}" for key, value in meta.items()]
     text = "\n".join(["# Fused MoE on CPU: mox vs transformers", "", *notes, "", table, "",
                       "## Targets", "", format_targets(targets), ""])
-    (RESULTS_DIR / "kernels_cpu.md").write_text(text)
+    (RESULTS_DIR / f"{name}.md").write_text(text)
 
 
 def format_targets(targets: list[dict]) -> str:
@@ -264,6 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(flag, type=int, default=default, help=f"(default {default})")
     parser.add_argument("--tokens", default="1,16,64,256,1024,4096", help="comma-separated T")
     parser.add_argument("--repeats", type=int, default=20, help="max timed repeats per T")
+    parser.add_argument("--name", default="kernels_cpu",
+                        help="results as bench/results/NAME.json and NAME.md")
     return parser.parse_args(argv)
 
 
@@ -275,7 +285,8 @@ def run_metadata(argv: list[str] | None, shape: Shape, impls: list[str],
     return {"command": shlex.join([".venv/bin/python", "-m", "mox.bench.micro.kernels", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "load_avg_1m_before": load_before,
+            "machine": describe(), "threads": torch.get_num_threads(),
+            "load_avg_1m_before": load_before,
             "moe_torch_sha256": source_hash, "shape": asdict(shape), "dtype": "bfloat16",
             "hf_impls": impls, "hf_impls_unavailable": unusable}
 
@@ -295,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(rows, impls)
     targets = evaluate_targets(rows)
     print(table, format_targets(targets), sep="\n\n")
-    write_results(meta, rows, targets, table)
+    write_results(meta, rows, targets, table, args.name)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ rows M (sequences in a decode step): GB/s of weight read, best of a few passes.
 - `mkldnn packed`: oneDNN's linear with the weight reordered once ahead (what torch.compile's
   freezing uses on CPU); it needs a second, opaque copy of each weight, so the pager cannot
   read experts into it in place;
-- `native`: mox's AVX512-BF16 kernel (kernels/csrc/bf16_gemv.c), weights read in place.
+- `native`: mox's AVX512-BF16 or AVX2 kernel (kernels/csrc/bf16_gemv.c), weights read in place.
 
     .venv/bin/python -m mox.bench.micro.read_rate [--rows 1,2,4,8,32]
 """
@@ -23,8 +23,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mox.bench.machine import describe
 from mox.kernels import native
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
@@ -58,13 +59,14 @@ def _rate(pool: torch.Tensor, call: Callable[[torch.Tensor], object]) -> float:
     return best
 
 
-def candidates(rows: int, k: int, packed: dict) -> dict[str, Callable]:
+def candidates(rows: int, k: int, packed: dict | None) -> dict[str, Callable]:
     """Each kernel as `call(weight)`, its activations `[rows, k]` made once (not per call)."""
     x = torch.randn(rows, k).to(torch.bfloat16)
     kernels = native.kernels()
-    out = {"F.linear": lambda w: F.linear(x, w),
-           "mkldnn packed": lambda w: torch.ops.mkldnn._linear_pointwise(
-               x, packed[w.data_ptr()], None, "none", [], "")}
+    out = {"F.linear": lambda w: F.linear(x, w)}
+    if packed is not None:
+        out["mkldnn packed"] = lambda w: torch.ops.mkldnn._linear_pointwise(
+            x, packed[w.data_ptr()], None, "none", [], "")
     if rows == 1:
         out["torch.mv"] = lambda w: torch.mv(w, x[0])
         out["read (torch.max)"] = lambda w: torch.max(w)
@@ -77,7 +79,11 @@ def measure(rows_list: list[int]) -> dict:
     results = {}
     for shape_name, (n, k) in SHAPES.items():
         pool = _pool(n, k)
-        packed = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in pool}
+        try:
+            packed = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w, None)
+                      for w in pool}
+        except RuntimeError:            # oneDNN packs bf16 only with AVX-512 (or AVX-NE-CONVERT)
+            packed = None
         for rows in rows_list:
             for name, call in candidates(rows, k, packed).items():
                 rate = _rate(pool, call)
@@ -87,16 +93,16 @@ def measure(rows_list: list[int]) -> dict:
     return results
 
 
-def write(results: dict, rows_list: list[int], argv: list[str]) -> None:
+def write(results: dict, rows_list: list[int], argv: list[str], name: str) -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=Path(__file__).parent).stdout.strip()
     meta = {"command": " ".join([".venv/bin/python -m mox.bench.micro.read_rate", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_head": head, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
+            "machine": describe(),
             "uptime": os.getloadavg()}
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "read_rate.json").write_text(json.dumps({**meta, "gbps": results}, indent=1))
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps({**meta, "gbps": results}, indent=1))
     lines = ["# Weight read rate per kernel (bf16, CPU, weights cycled past the cache)", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "",
              "GB/s of weight read; M = rows of activations (sequences in a decode step).", ""]
@@ -106,17 +112,19 @@ def write(results: dict, rows_list: list[int], argv: list[str]) -> None:
         lines += [f"| {name} | " + " | ".join(str(rates.get(m, "-")) for m in rows_list) + " |"
                   for name, rates in per_kernel.items()]
         lines.append("")
-    (RESULTS_DIR / "read_rate.md").write_text("\n".join(lines))
+    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,32")
+    ap.add_argument("--name", default="read_rate",
+                    help="results as bench/results/NAME.json and NAME.md")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
         results = measure(rows_list)
-    write(results, rows_list, [f"--rows {args.rows}"] if args.rows != "1,2,4,8,32" else [])
+    write(results, rows_list, sys.argv[1:], args.name)
 
 
 if __name__ == "__main__":

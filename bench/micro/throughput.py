@@ -312,9 +312,10 @@ def main() -> None:
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "git_head": subprocess.run([*git, "rev-parse", "--short", "HEAD"], text=True,
                                     capture_output=True).stdout.strip(),
-         "uncommitted": subprocess.run([*git, "status", "--porcelain", "mox", "kernels",
-                                        "loaders"], text=True, capture_output=True
-                                       ).stdout.split("\n")[:-1],
+         # (":/": from the repository's root, wherever this file is imported from)
+         "uncommitted": subprocess.run([*git, "status", "--porcelain", "--", ":/mox",
+                                        ":/kernels", ":/loaders"], text=True,
+                                       capture_output=True).stdout.split("\n")[:-1],
          "torch": torch.__version__, "transformers": transformers.__version__,
          "uptime": subprocess.run(["uptime"], text=True, capture_output=True).stdout.strip(),
          "machine": describe(), "threads": torch.get_num_threads(), "checkpoint": path,
