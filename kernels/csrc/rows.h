@@ -10,6 +10,7 @@
 #include "bf16.h"
 
 #define MAX_ROWS 8
+#define PREFETCH_AHEAD 4096     /* AVX2 rows: prefetch 8 KiB of weights ahead (see row_avx2) */
 #define AVX2_ROWS 4            /* x rows per pass on AVX2: 8 accumulators of its 16 registers */
 
 /* one weight row against M x rows; K a multiple of 32 */
@@ -54,7 +55,10 @@ static inline float sum8(__m256 v) {
 
 /* one weight row against M <= AVX2_ROWS x rows already widened to float32 (`xf`, row stride
  * ldx): AVX2 has no bf16 dot product, so the weights are widened in registers and met by
- * FMAs; the activations are widened once per call, not once per weight row */
+ * FMAs; the activations are widened once per call, not once per weight row. A software
+ * prefetch 8 KiB ahead keeps reads in flight across the short runs the MoE kernel streams
+ * (64-row chunks): 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM, five alternated A/B
+ * pairs; prefetches past the end of a pool do not fault. */
 __attribute__((target("avx2,fma")))
 static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, float *out,
                             int64_t ldy, int M, int64_t K) {
@@ -62,6 +66,7 @@ static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, f
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {          /* two independent chains per x row */
+        _mm_prefetch((const char *)(row + k + PREFETCH_AHEAD), _MM_HINT_T0);
         __m256 w0 = widen8(row + k), w1 = widen8(row + k + 8);
         for (int m = 0; m < M; m++) {
             const float *xm = xf + m * ldx + k;
