@@ -43,7 +43,8 @@ ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
 # AVX2 CPU torch has no fast bf16 GEMM and the native loops won at every size measured
 # (bench/results/read_rate_avx2.md: 2-3x at 8-128 rows; kernels_cpu_avx2.md: 2.8x at 1024
 # tokens, 64 rows an expert).
-MAX_ROWS = {"avx512bf16": 8, "avx2": 1024}
+GEMV_MAX_ROWS = 1024    # bf16_gemv.c's MAX_GEMV_ROWS
+MAX_ROWS = {"avx512bf16": 8, "avx2": GEMV_MAX_ROWS}
 MAX_ROWS_PER_EXPERT = {"avx512bf16": 16, "avx2": 1 << 30}
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
@@ -99,7 +100,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
-        """`x [M, K]` bf16 (M <= 1024), `w [N, K]` bf16 with unit stride along K ->
+        """`x [M, K]` bf16 (M <= GEMV_MAX_ROWS), `w [N, K]` bf16 with unit stride along K ->
         `[M, N]` in `out_dtype` (float32, or bfloat16 rounded once from the fp32 sums)."""
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.stride(1) != 1
                 or w.stride(1) != 1 or w.shape[1] != x.shape[1]
@@ -264,11 +265,12 @@ def _available() -> NativeKernels | None:
     return None if _OFF.get() else kernels()
 
 
-def _fast(quantized: bool = False) -> bool:
-    """The fast path serves here: AVX512-BF16 or AVX2 + FMA for bf16 weights, AVX512-VNNI for
-    quantized."""
+def _fast(weights: str = "bf16") -> bool:
+    """The fast path for these weights serves here: AVX512-BF16 or AVX2 + FMA for "bf16",
+    AVX512-BF16 for "fp8", AVX512-VNNI for "int" (int8, int4, MXFP4)."""
     native = _available()
-    return native is not None and (native.fast_quantized if quantized else native.fast)
+    return native is not None and {"bf16": native.fast, "fp8": native.fast_bf16_dot,
+                                   "int": native.fast_quantized}[weights]
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -287,13 +289,11 @@ def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Whether `moe_experts`' fast path serves these experts here (int8, int4 and MXFP4 need
     AVX512-VNNI, FP8 AVX512-BF16, bf16 that or AVX2 + FMA; biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
-    integers = scales is not None and scales.fmt.kind != FP8      # activations to int8
-    if scales is not None and scales.fmt.kind == FP8 and not (
-            _available() is not None and kernels().fast_bf16_dot):
-        return False
+    weights = "bf16" if scales is None else "fp8" if scales.fmt.kind == FP8 else "int"
+    integers = weights == "int"                                   # activations to int8
     multiple = max(QUANT_BLOCK if integers else K_MULTIPLE,
                    0 if scales is None else scales.fmt.block_cols)
-    return (_fast(quantized=integers) and rows.device.type == "cpu"
+    return (_fast(weights) and rows.device.type == "cpu"
             and rows.dtype == torch.bfloat16 and native_format(scales)
             and all(b is None or b.dtype == torch.bfloat16 for b in (b13, b2))
             and hidden % multiple == 0 and inter % multiple == 0)

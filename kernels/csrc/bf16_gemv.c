@@ -18,7 +18,7 @@
 #include "bf16.h"
 #include "rows.h"
 
-#define MAX_GEMV_ROWS 1024
+#define MAX_GEMV_ROWS 1024       /* native.py GEMV_MAX_ROWS */
 
 int mox_has_avx512bf16(void) {
     __builtin_cpu_init();
@@ -57,8 +57,8 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
 }
 
 /* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
- * bf16 (ldw). M <= MAX_GEMV_ROWS; the fast path needs K % 32 == 0 (the caller checks). Returns 0, -1
- * for arguments it does not take, or -2 out of memory. */
+ * bf16 (ldw). M <= MAX_GEMV_ROWS; the fast path needs K % 32 == 0 (the caller checks).
+ * Returns 0, -1 for arguments it does not take, or -2 out of memory. */
 int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                   int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast) {
     if (M < 1 || M > MAX_GEMV_ROWS || N < 1 || K < 1)

@@ -55,8 +55,8 @@ static float dot_avx2(const float *q, const uint16_t *k, int64_t n) {
     return s;
 }
 
-/* scores by `dot` (dot_avx512, dot_avx2 or dot_plain); the dv loops are elementwise, which the AVX-512
- * build below gets vectorized by the compiler */
+/* scores by `dot` (dot_avx512, dot_avx2 or dot_plain); the dv loops are elementwise, which
+ * the vector builds below get vectorized by the compiler */
 static inline __attribute__((always_inline)) int attend_one(
         const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
         int64_t k_stride, int64_t k2_stride, int64_t v_stride, const int64_t *slots,
