@@ -31,6 +31,8 @@ class StepSummary(msgspec.Struct):
     decode_ms_mean: float
     decode_cpu_ms_mean: float       # the engine thread's CPU time (the rest: waits, preemption)
     decode_seqs_mean: float
+    decode_missing: int             # decode steps that missed
+    decode_below_run: int           # decode steps of a model below its run size (planner)
     prefill_steps: int
     prefill_ms_mean: float
     stall_s: float                  # blocked on expert reads inside steps
@@ -61,7 +63,8 @@ def summarize(records: list[StepRecord]) -> StepSummary:
         sum(r.seconds - r.parked_seconds for r in records),
         float(np.median(ms(decode, "seconds"))) if decode else 0.0,
         mean(ms(decode, "seconds")), mean(ms(decode, "cpu_seconds")),
-        mean([r.num_seqs for r in decode]), len(prefill), mean(ms(prefill, "seconds")),
+        mean([r.num_seqs for r in decode]), sum(r.misses > 0 for r in decode),
+        sum(0 < r.slots < r.run_slots for r in decode), len(prefill), mean(ms(prefill, "seconds")),
         sum(r.stall_seconds for r in records), sum(r.parked_seconds for r in records),
         sum(r.misses for r in records),
         sum(r.bytes_read for r in records) / MiB, mean([len(m) for m in windows.values()]))
@@ -69,9 +72,9 @@ def summarize(records: list[StepRecord]) -> StepSummary:
 
 def table(logs_dir: str) -> str:
     rows = ["| log | steps | busy / span s | decode ms p50 / mean (CPU) | seqs per decode | "
-            "prefills (mean ms) | stalled / parked s | misses | read in steps MiB | "
+            "decodes missing / below run size | prefills (mean ms) | stalled / parked s | misses | read in steps MiB | "
             "models per 10 s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(logs_dir, "*.steps.jsonl"))):
         records = read_steps(path)
         if not records:
@@ -80,7 +83,8 @@ def table(logs_dir: str) -> str:
         rows.append(f"| {os.path.basename(path).removesuffix('.steps.jsonl')} | {s.steps} | "
                     f"{s.busy_s:.0f} / {s.span_s:.0f} | {s.decode_ms_p50:.0f} / "
                     f"{s.decode_ms_mean:.0f} ({s.decode_cpu_ms_mean:.0f}) | "
-                    f"{s.decode_seqs_mean:.2f} | {s.prefill_steps} ({s.prefill_ms_mean:.0f}) | "
+                    f"{s.decode_seqs_mean:.2f} | {s.decode_missing} / {s.decode_below_run} | "
+                    f"{s.prefill_steps} ({s.prefill_ms_mean:.0f}) | "
                     f"{s.stall_s:.1f} / {s.parked_s:.1f} | {s.misses} | {s.read_mib:.0f} | "
                     f"{s.models_per_10s:.1f} |")
     return "\n".join(rows)

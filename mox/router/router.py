@@ -221,6 +221,7 @@ class Router:
         model.traffic.on_arrival(now)
         model.last_active = now
         if idle:
+            model.turn_run_slots = 0         # its last turn ended when it went idle
             self._readmit(model)
         if model.state == ModelState.COLD:
             self._try_start_loads()
@@ -267,11 +268,13 @@ class Router:
         """The line in the timeline of a step that ended: its batch and what it took."""
         if step is None:
             return
+        model = self.models[step.model]
         self.timeline.add(StepRecord(
             step.started, step.model, step.num_seqs, step.num_tokens, step.num_prefill_tokens,
             step.seconds, step.cpu_seconds, step.stall_seconds, step.misses, step.waves,
             step.bytes_read, sum(self.has_requests(n) for n in self.models if n != step.model),
-            step.parked_seconds))
+            step.parked_seconds, model.pool.num_slots if model.pool else 0,
+            model.turn_run_slots))
 
     def step_in_progress(self) -> tuple[float, str] | None:
         """(seconds its current slice has run, what) of the step running now, or None; safe
@@ -467,9 +470,14 @@ class Router:
                                stream=self.policy.streams_cold_starts and not model.settings.pin)
 
     def _view(self) -> MemoryView:
-        """The frozen view the memory policy plans from (mox.router.views)."""
-        return memory_view(self.models, self.config.device_memory, self.has_requests,
+        """The frozen view the memory policy plans from (mox.router.views); each busy model's
+        run size in it is kept as its turn's (it only rises until the model goes idle)."""
+        view = memory_view(self.models, self.config.device_memory, self.has_requests,
                            self.admission.oldest_arrival, self.clock())
+        for m in view.models:
+            turn = m.has_work and m.holds_device_memory
+            self.models[m.name].turn_run_slots = m.run_slots if turn else 0
+        return view
 
     # ---- reporting ---------------------------------------------------------------------
     def snapshot(self) -> dict:

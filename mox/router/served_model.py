@@ -47,6 +47,8 @@ class ServedModel:
     num_loads: int = 0                       # times its weights were read (cold starts)
     loaded_at: float = -math.inf             # when its last load started (its turn began)
     draining: bool = False                   # finishing its running requests, then parked
+    turn_run_slots: int = 0                  # its run size this turn (0: not busy): it
+                                             # only rises until the model goes idle
 
     @property
     def holds_device_memory(self) -> bool:

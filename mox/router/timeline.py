@@ -47,6 +47,8 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     bytes_read: int = 0
     num_waiting_models: int = 0     # other models with requests while this one stepped
     parked_seconds: float = 0.0     # of `seconds`, parked on its reads while others stepped
+    slots: int = 0                  # the model's expert slots when the step ended
+    run_slots: int = 0              # its run size this turn (mox.router.views; 0: unknown)
 
 
 class Timeline:

@@ -184,7 +184,7 @@ def test_step_summary_reads_a_step_log(tmp_path):
                StepRecord(0.5, "a", 2, 2, 0, 0.1, 0.08),
                StepRecord(12.0, "b", 1, 1, 0, 0.3, 0.1, 0.2, 2, 1, 2 << 20),
                StepRecord(12.3, "c", 1, 1, 0, 0.5, 0.1, 0.0, 1, 1, 1 << 20,
-                          parked_seconds=0.4)]
+                          parked_seconds=0.4, slots=12, run_slots=16)]
     path = tmp_path / "uniform-rate.steps.jsonl"
     path.write_bytes(b"\n".join(msgspec.json.encode(r) for r in records) + b"\n")
     s = summarize(read_steps(str(path)))
@@ -192,6 +192,7 @@ def test_step_summary_reads_a_step_log(tmp_path):
     assert s.span_s == pytest.approx(12.8)
     assert s.busy_s == pytest.approx(1.0)               # c's parked time is not busy
     assert s.decode_ms_mean == pytest.approx(300) and s.decode_seqs_mean == 4 / 3
+    assert (s.decode_missing, s.decode_below_run) == (2, 1)    # b, c missed; c below its run
     assert s.stall_s == pytest.approx(0.3) and s.parked_s == pytest.approx(0.4)
     assert s.read_mib == 11
     assert s.models_per_10s == 1.5                      # a alone, then b and c

@@ -464,3 +464,27 @@ def test_a_streamed_cold_start_gives_the_tokens_of_all_resident(hf_checkpoints):
     stats = router.models["a"].pool.stats()
     assert stats["preloads"] == 16 and stats["prefetches"] == 0
     router.models["a"].pool.check_integrity()
+
+
+def test_a_busy_models_run_size_holds_for_its_turn(hf_checkpoints, monkeypatch):
+    """The run size read from the curve may fall mid-turn (a short history undershoots): the
+    view keeps the turn's until the model goes idle; a rise is taken at once."""
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a",), clock=clock, experts=16)
+    learned = {"a": 16}
+    monkeypatch.setattr("mox.router.views.run_slots", lambda *args: learned["a"])
+    router.add_request(Request("a-1", "a", [3, 4, 5], _params(40)))
+    _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 3)
+    run_size = lambda: next(m.run_slots for m in router._view().models if m.name == "a")
+    learned["a"] = 6                      # the curve's knee falls while a is busy
+    assert run_size() == 16
+    _run(router, clock, lambda outs: len(outs.get("a-1", [])) >= 5)
+    assert router.timeline.records[-1].run_slots == 16
+    assert router.timeline.records[-1].slots == router.models["a"].pool.num_slots
+    _run(router, clock, _finished(["a-1"]))
+    router.add_request(Request("a-2", "a", [3, 4], _params(8)))       # a new turn
+    assert run_size() == 6
+    learned["a"] = 12                     # ... whose run size rises with the curve
+    assert run_size() == 12
+    learned["a"] = 8
+    assert run_size() == 12
