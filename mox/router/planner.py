@@ -10,9 +10,10 @@ Design note.
   concave hull in indivisible blocks, so the planner gives such a model all of the cliff or
   none of it; whole residency of a hot model and nothing for an idle one fall out of this.
 - Floors first: a pinned model holds every expert; a model with queued or running requests
-  gets its run size (`run_slots`: the smallest pool whose misses a token are within
-  `RUN_EXTRA_MISSES_PER_TOKEN` of a whole pool's on its curve, every expert while the curve
-  has too little history), which admission (mox.router.memory_policy) makes room for before the
+  gets its run size (`run_slots`: the smallest pool whose misses would add at most
+  `RUN_SLOWDOWN` to a token's time on its curve, at what misses and tokens cost in recent
+  decode steps; every expert while the curve has too little history; it holds for the turn:
+  mox.router.views), which admission (mox.router.memory_policy) makes room for before the
   model may run. A busy model below it re-reads experts every token and slows every model
   that shares the disk and the cores, so waiting for room, as model-swap does, is better:
   model-swap's behaviour is this rule with run size = every expert. Where the run sizes do
@@ -50,13 +51,16 @@ RESIZE_DEADBAND = 0.125
 RESIZE_MIN_INTERVAL_S = 5.0
 # Sizes at which a miss-ratio curve is read when planning (see `_hull_segments`).
 HULL_POINTS = 257
-# A busy model runs at the smallest pool whose misses add at most this many reads a token
-# over a whole pool's. A decode miss costs far more than its read: the step parks until the
-# expert lands and resumes after whatever step ran meanwhile, 16 ms a miss in the bench's
-# steps (8 bench models, 0.4 req/s, uniform routing: decode steps with misses 100 ms against
-# 36 without, 4 misses each; bench/results/harness-8-em-1) against a 21 ms decode step. A
-# quarter of a miss a token adds ~4 ms (~20%) to a token; the bound was 5% of the accesses
-# before (1.6 misses a bench token), which missed in half of the decode steps.
+# A busy model runs at the smallest pool whose misses add at most this share to a token's
+# time, priced at what a miss and a token cost in recent decode steps (mox.router.timeline
+# DecodeCosts). A decode miss costs far more than its read: the step parks until the expert
+# lands and resumes after whatever steps ran meanwhile. A fixed bound of a quarter of a miss a
+# token (16 ms a miss against a 21 ms token, 8 bench models on an AVX512 CPU) let 30% of the
+# decode steps miss on a slower CPU with more models busy, where a miss cost 65 ms against a
+# 33 ms token and the steps parked 99 s of 245 (16-model load test, uniform routing,
+# bench/results/harness-16-avx2-0.4-e).
+RUN_SLOWDOWN = 0.1
+# ... and while no decode miss has been measured: the quarter of a miss a token above.
 RUN_EXTRA_MISSES_PER_TOKEN = 0.25
 # A curve is trusted for the run size once its recent accesses number this many times the
 # keys it spans (fewer: a first request's prefill and a few tokens, which see little reuse).
@@ -137,15 +141,24 @@ def plan_slots(demands: list[ModelDemand], budget_bytes: int | None) -> Plan:
     return plan
 
 
-def run_slots(hit_rates: np.ndarray, recent_accesses: float, accesses_per_token: int) -> int:
+def run_extra_misses(seconds_per_token: float | None, seconds_per_miss: float | None) -> float:
+    """Misses a token may add over a whole pool's: `RUN_SLOWDOWN` of a token's time at the
+    measured costs, or `RUN_EXTRA_MISSES_PER_TOKEN` until both are measured."""
+    if not seconds_per_token or not seconds_per_miss:
+        return RUN_EXTRA_MISSES_PER_TOKEN
+    return RUN_SLOWDOWN * seconds_per_token / seconds_per_miss
+
+
+def run_slots(hit_rates: np.ndarray, recent_accesses: float, accesses_per_token: int,
+              extra_misses: float = RUN_EXTRA_MISSES_PER_TOKEN) -> int:
     """The smallest pool whose LRU misses a token (`accesses_per_token` (layer, expert)
-    accesses: top_k in every MoE layer) are within `RUN_EXTRA_MISSES_PER_TOKEN` of a whole
-    pool's on the curve; every slot while the curve has less than `RUN_MIN_HISTORY` accesses
-    per key (a model not yet seen runs whole, as model-swap would run it)."""
+    accesses: top_k in every MoE layer) are within `extra_misses` (`run_extra_misses`) of a
+    whole pool's on the curve; every slot while the curve has less than `RUN_MIN_HISTORY`
+    accesses per key (a model not yet seen runs whole, as model-swap would run it)."""
     num_slots = len(hit_rates) - 1
     if recent_accesses < RUN_MIN_HISTORY * num_slots:
         return num_slots
-    extra_miss_rate = RUN_EXTRA_MISSES_PER_TOKEN / max(1, accesses_per_token)
+    extra_miss_rate = extra_misses / max(1, accesses_per_token)
     enough = hit_rates >= hit_rates[-1] - extra_miss_rate
     return int(np.argmax(enough))
 

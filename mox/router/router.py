@@ -473,7 +473,7 @@ class Router:
         """The frozen view the memory policy plans from (mox.router.views); each busy model's
         run size in it is kept as its turn's (it only rises until the model goes idle)."""
         view = memory_view(self.models, self.config.device_memory, self.has_requests,
-                           self.admission.oldest_arrival, self.clock())
+                           self.admission.oldest_arrival, self.clock(), self.timeline.costs)
         for m in view.models:
             turn = m.has_work and m.holds_device_memory
             self.models[m.name].turn_run_slots = m.run_slots if turn else 0

@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO
 
 import msgspec
@@ -30,6 +31,9 @@ TIMELINE_LENGTH = 4096
 # model's first prefill (reading its routed experts) about a second on this class of machine.
 WATCHDOG_THRESHOLD_S = 5.0
 WATCHDOG_PERIOD_S = 1.0
+# Decode costs weigh a step this much less each newer step: about the last 200 steps, a few
+# seconds of a busy server, so they follow the load.
+COST_DECAY = 0.995
 
 
 class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
@@ -51,14 +55,47 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     run_slots: int = 0              # its run size this turn (mox.router.views; 0: unknown)
 
 
+@dataclass
+class DecodeCosts:
+    """What recent decode steps cost (sums decayed by `COST_DECAY` a step): a token's own time
+    (the step less its waits on expert reads), and what a miss added to its step (stalled on
+    the read, or parked while other models stepped). The planner's run sizes weigh one against
+    the other (mox.router.planner.run_extra_misses)."""
+
+    token_s: float = 0.0
+    tokens: float = 0.0
+    miss_s: float = 0.0
+    misses: float = 0.0
+
+    def add(self, r: StepRecord) -> None:
+        if r.num_prefill_tokens:
+            return
+        waited = r.stall_seconds + r.parked_seconds
+        self.token_s = COST_DECAY * self.token_s + max(0.0, r.seconds - waited)
+        self.tokens = COST_DECAY * self.tokens + r.num_tokens
+        if r.misses:
+            self.miss_s = COST_DECAY * self.miss_s + waited
+            self.misses = COST_DECAY * self.misses + r.misses
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self.token_s / self.tokens if self.tokens >= 1 else None
+
+    @property
+    def seconds_per_miss(self) -> float | None:
+        return self.miss_s / self.misses if self.misses >= 1 else None
+
+
 class Timeline:
     def __init__(self, sink: IO[str] | None = None, length: int = TIMELINE_LENGTH) -> None:
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=length)
+        self.costs = DecodeCosts()
         self._sink = sink
         self._encoder = msgspec.json.Encoder()
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
+        self.costs.add(record)
         if self._sink is None:
             return
         try:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 from mox.pager import PoolDemand
 from mox.router.memory_policy import MemoryView, ModelView
-from mox.router.planner import run_slots
+from mox.router.planner import run_extra_misses, run_slots
 from mox.router.served_model import ServedModel
+from mox.router.timeline import DecodeCosts
 
 # A minute's request rate below this is no traffic (accesses per request are then unknown).
 MIN_RATE = 1e-6
@@ -26,8 +27,10 @@ MIN_RATE = 1e-6
 
 def memory_view(models: dict[str, ServedModel], budget_bytes: int | None,
                 has_requests: Callable[[str], bool], oldest_arrival: Callable[[str], float],
-                now: float) -> MemoryView:
-    """Every model with a pool, as the router sees it at `now`."""
+                now: float, costs: DecodeCosts) -> MemoryView:
+    """Every model with a pool, as the router sees it at `now`; run sizes priced at what
+    recent decode steps' tokens and misses cost."""
+    extra_misses = run_extra_misses(costs.seconds_per_token, costs.seconds_per_miss)
     pooled = [m for m in models.values() if m.pool is not None]
     demands = {m.name: m.pool.demand() for m in pooled}
     # one read rate for every model: the tier's, not one pool's noisy sample of it (which made
@@ -36,13 +39,15 @@ def memory_view(models: dict[str, ServedModel], budget_bytes: int | None,
     bandwidth = sum(d.bytes_read for d in demands.values()) / seconds if seconds else None
     return MemoryView(budget_bytes, tuple(
         _model_view(m, demands[m.name], bandwidth, has_requests(m.name),
-                    oldest_arrival(m.name), now) for m in pooled), now)
+                    oldest_arrival(m.name), now, extra_misses) for m in pooled), now)
 
 
 def _model_view(m: ServedModel, demand: PoolDemand, read_bytes_per_s: float | None,
-                has_work: bool, oldest_arrival: float, now: float) -> ModelView:
+                has_work: bool, oldest_arrival: float, now: float,
+                extra_misses: float) -> ModelView:
     minute_rate = m.traffic.request_rates(now)[1]
-    run = run_slots(demand.hit_rates, demand.recent_accesses, m.pool.top_k * m.pool.num_moe_layers)
+    run = run_slots(demand.hit_rates, demand.recent_accesses,
+                    m.pool.top_k * m.pool.num_moe_layers, extra_misses)
     if has_work and m.holds_device_memory:
         run = max(run, m.turn_run_slots)
     return ModelView(

@@ -12,9 +12,11 @@ from mox.router.planner import (
     HYSTERESIS,
     RESIZE_MIN_INTERVAL_S,
     RUN_EXTRA_MISSES_PER_TOKEN,
+    RUN_SLOWDOWN,
     ModelDemand,
     Plan,
     plan_slots,
+    run_extra_misses,
     run_slots,
     settle,
 )
@@ -57,6 +59,16 @@ def test_the_run_size_is_the_knee_of_the_curve_or_everything_while_unknown():
     assert run_slots(uniform, 1000.0, 4) == int(np.ceil(16 * (1 - extra)))
     # the bound is in misses a token: a model whose tokens make more accesses runs bigger
     assert run_slots(uniform, 1000.0, 64) == 16 > run_slots(uniform, 1000.0, 4)
+
+
+def test_the_run_size_prices_misses_at_what_they_cost_a_token():
+    assert run_extra_misses(None, 0.05) == run_extra_misses(0.03, None) \
+        == RUN_EXTRA_MISSES_PER_TOKEN                      # nothing measured yet
+    # a miss that costs twice a token's time may add a twentieth of a miss a token
+    assert run_extra_misses(0.03, 0.06) == pytest.approx(RUN_SLOWDOWN / 2)
+    uniform = np.linspace(0.0, 1.0, 17)
+    cheap, dear = run_extra_misses(0.03, 0.001), run_extra_misses(0.03, 0.06)
+    assert run_slots(uniform, 1000.0, 4, dear) == 16 > run_slots(uniform, 1000.0, 4, cheap)
 
 
 def test_busy_models_get_their_run_size_as_a_floor_when_it_fits():

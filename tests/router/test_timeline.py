@@ -6,8 +6,10 @@ import json
 import logging
 import time
 
+import pytest
+
 from mox.messages import Request
-from mox.router.timeline import Watchdog
+from mox.router.timeline import DecodeCosts, StepRecord, Watchdog
 from mox.sampling import SamplingParams
 from tests.conftest import tiny_router
 
@@ -55,3 +57,15 @@ def test_the_watchdog_reports_a_long_step_and_what_it_waits_on(caplog):
     finally:
         watchdog.stop()
     assert "step running for 6.0 s: waiting for reads of 3 experts" in caplog.text
+
+
+def test_decode_costs_price_a_token_and_a_miss_from_decode_steps():
+    costs = DecodeCosts()
+    assert costs.seconds_per_token is None and costs.seconds_per_miss is None
+    costs.add(StepRecord(0.0, "a", 1, 64, 64, 2.0, misses=90))            # a prefill: not counted
+    assert costs.seconds_per_token is None
+    costs.add(StepRecord(2.0, "a", 2, 2, 0, 0.06))                        # 30 ms a token
+    costs.add(StepRecord(2.1, "a", 2, 2, 0, 0.26, stall_seconds=0.05, parked_seconds=0.15,
+                         misses=2))                                       # 100 ms a miss
+    assert costs.seconds_per_token == pytest.approx(0.03, rel=0.01)
+    assert costs.seconds_per_miss == pytest.approx(0.1, rel=0.01)
