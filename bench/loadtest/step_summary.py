@@ -72,8 +72,8 @@ def summarize(records: list[StepRecord]) -> StepSummary:
 
 def table(logs_dir: str) -> str:
     rows = ["| log | steps | busy / span s | decode ms p50 / mean (CPU) | seqs per decode | "
-            "decodes missing / below run size | prefills (mean ms) | stalled / parked s | misses | read in steps MiB | "
-            "models per 10 s |",
+            "decodes missing / below run size | prefills (mean ms) | stalled / parked s | "
+            "misses | read in steps MiB | models per 10 s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(logs_dir, "*.steps.jsonl"))):
         records = read_steps(path)
