@@ -8,6 +8,7 @@ import os
 
 import msgspec
 
+from mox.bench.loadtest.cold_starts import table as cold_start_table
 from mox.bench.loadtest.plots import MiB, plot_suite
 from mox.bench.loadtest.results_schema import Results, Suite, Target
 from mox.bench.loadtest.routing_stats import RoutingStats
@@ -33,6 +34,8 @@ def write_report(results: Results, out: str) -> list[str]:
                     + ttft_table(out) + "\n")
             f.write("\n## Where decode time went, per output token\n\n"
                     + decode_table(out) + "\n")
+            f.write("\n## Cold starts, split by the router's model events\n\n"
+                    + cold_start_table(out) + "\n")
     return paths + plots
 
 

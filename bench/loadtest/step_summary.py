@@ -18,7 +18,7 @@ import sys
 import msgspec
 import numpy as np
 
-from mox.router.timeline import StepRecord
+from mox.router.timeline import StepRecord, read_log
 
 MiB = 2**20
 
@@ -41,12 +41,6 @@ class StepSummary(msgspec.Struct):
     read_mib: float                 # expert bytes read inside steps (loads on the loader
                                     # thread, like model-swap's, are not steps)
     models_per_10s: float           # distinct models stepped in a 10 s window, on average
-
-
-def read_steps(path: str) -> list[StepRecord]:
-    decoder = msgspec.json.Decoder(StepRecord)
-    with open(path, "rb") as f:
-        return [decoder.decode(line) for line in f if line.strip()]
 
 
 def summarize(records: list[StepRecord]) -> StepSummary:
@@ -76,7 +70,7 @@ def table(logs_dir: str) -> str:
             "misses | read in steps MiB | models per 10 s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(glob.glob(os.path.join(logs_dir, "*.steps.jsonl"))):
-        records = read_steps(path)
+        records, _ = read_log(path)
         if not records:
             continue
         s = summarize(records)

@@ -25,9 +25,8 @@ import sys
 import msgspec
 
 from mox.bench.loadtest.results_schema import RequestRecord
-from mox.bench.loadtest.step_summary import read_steps
 from mox.bench.loadtest.two_runs import load
-from mox.router.timeline import StepRecord
+from mox.router.timeline import StepRecord, read_log
 
 MiB = 2**20
 SLACK_S = 0.05      # the two sides' timestamps: HTTP, tokenizing, the event loop
@@ -115,20 +114,21 @@ def decode_shares(requests: list[RequestRecord], steps: list[StepRecord], origin
                         others * per_token, (window - own - stall - others) * per_token)
 
 
-def _logged(out: str):
-    """(suite, policy, its steps) for every policy run with a step log and an origin."""
+def logged(out: str):
+    """(suite, policy, its steps, its events) for every policy run with a step log and an
+    origin."""
     for suite in load(out).suites:
         for policy in suite.policies:
             path = os.path.join(out, "logs", f"{suite.name}-{policy.policy}.steps.jsonl")
             if policy.error or policy.origin_monotonic_s is None or not os.path.exists(path):
                 continue
-            yield suite, policy, read_steps(path)
+            yield suite, policy, *read_log(path)
 
 
 def decode_table(out: str) -> str:
     rows = ["| suite-policy | TPOT p50 ms | per output token: its model's steps ms (blocked on "
             "reads) | other models' steps ms | the rest ms |", "|---|---|---|---|---|"]
-    for suite, policy, steps in _logged(out):
+    for suite, policy, steps, _ in logged(out):
         d = decode_shares(policy.requests, steps, policy.origin_monotonic_s,
                           policy.latency.tpot.p50 or 0.0)
         rows.append(f"| {suite.name}-{policy.policy} | {d.tpot_p50_ms:.0f} | {d.own_ms:.0f} "
@@ -140,7 +140,7 @@ def ttft_table(out: str, n: int = 5) -> str:
     rows = ["| suite-policy | request (model, cold) | TTFT s | before its step s | its step s "
             "(stalled / parked) | its step read MiB | others' steps meanwhile (s, read MiB) |",
             "|---|---|---|---|---|---|---|"]
-    for suite, policy, steps in _logged(out):
+    for suite, policy, steps, _ in logged(out):
         for t in slowest(policy.requests, steps, policy.origin_monotonic_s, n):
             rows.append(
                 f"| {suite.name}-{policy.policy} | #{t.index} ({t.model}, "

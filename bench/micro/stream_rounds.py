@@ -29,13 +29,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-import msgspec
 import numpy as np
 
 from mox.demo import default_home, ensure_demo_models
 from mox.engine.threads import cpu_times
 from mox.registry import Registry
-from mox.router.timeline import StepRecord
+from mox.router.timeline import StepRecord, read_log
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 STALL_FACTOR = 10.0          # a round this many times the median is a stall
@@ -180,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         _, stderr = server.communicate(timeout=60)
     warnings = [line.split("mox: ", 1)[-1] for line in stderr.splitlines()
                 if "step running for" in line]
-    decoder = msgspec.json.Decoder(StepRecord)
-    with open(step_log, "rb") as f:
-        steps = [decoder.decode(line) for line in f]
+    steps, _ = read_log(step_log)
     text = report(args, rounds, steps, warnings)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps(rounds, indent=1))

@@ -65,7 +65,7 @@ from mox.router.served_model import (
     resolve_device,
     resolve_dtype,
 )
-from mox.router.timeline import StepRecord, Timeline
+from mox.router.timeline import ModelEvent, StepRecord, Timeline
 from mox.router.views import memory_view
 
 log = logging.getLogger("mox.router")
@@ -172,7 +172,7 @@ class Router:
             self._loader.drain()                              # let its load land first
             self._install_landed()
         if model.state == ModelState.WARM:
-            self.park(model)
+            self.park(model, "closed")
         if model.pool is not None:
             self.engine.remove_model(name)
             model.pool.close()
@@ -339,14 +339,20 @@ class Router:
         the offline LLM's warm-up); `whole`: every expert too, waited for."""
         self._mark_loading(model)
         self.replan()
-        self._loader.start(model, self.dtype, self.device,
-                           model.pool.max_slots if whole else 0, stream=False)
+        self._begin_load(model, model.pool.max_slots if whole else 0, stream=False)
+
+    def _begin_load(self, model: ServedModel, preload: int, stream: bool) -> None:
+        """Its dense weights and `preload` experts go to the loader thread (`stream`: it runs
+        once the dense weights land)."""
+        self.timeline.event(ModelEvent("load", self.clock(), model.name, preload, stream))
+        self._loader.start(model, self.dtype, self.device, preload, stream)
 
     def _drain(self, model: ServedModel) -> None:
         """The model starts no new request; it is parked once its running ones finish
         (`_park_drained`)."""
         model.draining = True
         self.engine.set_draining(model.name, True)
+        self.timeline.event(ModelEvent("drain", self.clock(), model.name))
 
     def _mark_loading(self, model: ServedModel) -> None:
         """Its dense bytes count from now on, so the plan that follows leaves room for them."""
@@ -360,14 +366,16 @@ class Router:
         for model in list(self.models.values()):
             if (model.draining and model.state == ModelState.WARM
                     and self.engine.num_running(model.name) == 0):
-                self.park(model)
+                self.park(model, "drained")
 
     def _install_landed(self) -> list[RequestOutput]:
         landed = self._loader.take_landed()
         outputs = []
         for name, result in landed:
             model = self.models[name]
-            if isinstance(result, BaseException):
+            failed = isinstance(result, BaseException)
+            self.timeline.event(ModelEvent("failed" if failed else "landed", self.clock(), name))
+            if failed:
                 outputs += self._fail(model, result)
             else:
                 model.decoder, model.state = result, ModelState.WARM
@@ -383,7 +391,7 @@ class Router:
         outputs = self._abort_requests_of(
             model.name, ModelUnavailableError(f"model {model.name!r} {what}: {error}"))
         if model.state == ModelState.WARM:
-            self.park(model)
+            self.park(model, "closed")
         model.pool.resize(0)
         model.state, model.error = ModelState.FAILED, str(error)
         return outputs
@@ -406,7 +414,7 @@ class Router:
         for model in list(self.models.values()):
             due = self._park_at(model)
             if due is not None and now > due:
-                self.park(model)
+                self.park(model, "idle")
 
     def _readmit(self, model: ServedModel) -> None:
         """A warm idle model's first request: it runs now if the policy would admit it cold
@@ -416,7 +424,7 @@ class Router:
         view = self._view().with_state(model.name, ModelState.COLD)
         admitted = self.policy.admit(view)
         if model.name not in admitted.load:
-            self.park(model)
+            self.park(model, "room")
             return
         load = tuple(name for name in admitted.load if name != model.name)
         self._apply(self.policy.plan(Admitted(
@@ -434,18 +442,19 @@ class Router:
         if self.engine.num_running(name):
             self._drain(model)
             return
-        self.park(model)
+        self.park(model, "released")
         self.replan()
 
-    def park(self, model: ServedModel) -> None:
+    def park(self, model: ServedModel, why: str) -> None:
         """Take the model's weights and expert slots off the device (it runs no sequence; it
-        may have some waiting, which wait for it to load again)."""
+        may have some waiting, which wait for it to load again); `why` goes to the timeline."""
         assert model.state == ModelState.WARM and self.engine.num_running(model.name) == 0
         model.draining = False
         self.engine.set_draining(model.name, False)
         self.engine.set_weights(model.name, None)
         model.decoder, model.state = None, ModelState.COLD
         self.residency.apply({model.name: 0})
+        self.timeline.event(ModelEvent("park", self.clock(), model.name, why=why))
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
@@ -456,7 +465,7 @@ class Router:
         """Parks, then the slots of every pool (the plan counts the loads' dense bytes), then
         the loads: a whole-model load reads experts into slots it must already have."""
         for name in plan.park:
-            self.park(self.models[name])
+            self.park(self.models[name], "room")
         loading = [self.models[name] for name in plan.load]
         for model in loading:
             self._mark_loading(model)
@@ -466,8 +475,8 @@ class Router:
             self.residency.share_host_cache()
         for model in loading:
             # a pinned model is served whole: it is ready once all of it has landed
-            self._loader.start(model, self.dtype, self.device, plan.preload.get(model.name, 0),
-                               stream=self.policy.streams_cold_starts and not model.settings.pin)
+            self._begin_load(model, plan.preload.get(model.name, 0),
+                             self.policy.streams_cold_starts and not model.settings.pin)
 
     def _view(self) -> MemoryView:
         """The frozen view the memory policy plans from (mox.router.views); each busy model's

@@ -3,9 +3,13 @@
 Every router step that runs a batch leaves a `StepRecord`: when it started, which model
 stepped, how many sequences and tokens (prefill and decode), how long it took, and what it
 waited on in the pager (seconds stalled on expert reads, misses, waves, bytes read), and how
-long it was parked on its reads while other models stepped (mox.engine.in_flight). The last
-`TIMELINE_LENGTH` records stay in memory (`Router.timeline.records`), and `mox serve
---step-log FILE` appends each as a JSON line (a write error logs once and stops the log).
+long it was parked on its reads while other models stepped (mox.engine.in_flight). Between
+the steps, a `ModelEvent` marks each change of a model's residency: a load starts (admitted),
+its weights land, a busy model is drained (its turn ends), a model is parked (and why). A cold
+request's first token is then its wait for admission, its model's load, and its steps. The
+last `TIMELINE_LENGTH` records and events stay in memory (`Router.timeline.records`,
+`.events`), and `mox serve --step-log FILE` appends each as a JSON line (a write error logs
+once and stops the log); `read_log` reads such a file back.
 
 The `Watchdog` thread looks at the step in progress once a second; a step running longer than
 `threshold_s` is logged (WARNING) with its model, batch, and what the model's pool is waiting
@@ -55,6 +59,16 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     run_slots: int = 0              # its run size this turn (mox.router.views; 0: unknown)
 
 
+class ModelEvent(msgspec.Struct, omit_defaults=True, gc=False):
+    event: str                      # load | landed | failed | drain | park (first: the log's
+                                    # readers tell events from steps by it)
+    start: float                    # time.monotonic(), the steps' clock
+    model: str
+    preload: int = 0                # load: experts read with the dense weights
+    stream: bool = False            # load: it runs before the preload has landed
+    why: str = ""                   # park: idle, drained, room (for another model), closed
+
+
 @dataclass
 class DecodeCosts:
     """What recent decode steps cost (sums decayed by `COST_DECAY` a step): a token's own time
@@ -89,6 +103,7 @@ class DecodeCosts:
 class Timeline:
     def __init__(self, sink: IO[str] | None = None, length: int = TIMELINE_LENGTH) -> None:
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=length)
+        self.events: collections.deque[ModelEvent] = collections.deque(maxlen=length)
         self.costs = DecodeCosts()
         self._sink = sink
         self._encoder = msgspec.json.Encoder()
@@ -96,10 +111,17 @@ class Timeline:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
         self.costs.add(record)
+        self._write(record)
+
+    def event(self, event: ModelEvent) -> None:
+        self.events.append(event)
+        self._write(event)
+
+    def _write(self, item: StepRecord | ModelEvent) -> None:
         if self._sink is None:
             return
         try:
-            self._sink.write(self._encoder.encode(record).decode() + "\n")
+            self._sink.write(self._encoder.encode(item).decode() + "\n")
             self._sink.flush()
         except OSError as e:                  # a full disk must not stop serving
             log.error("step log stopped: %s", e)
@@ -108,6 +130,19 @@ class Timeline:
     def close(self) -> None:
         if self._sink is not None:
             self._sink.close()
+
+
+def read_log(path: str) -> tuple[list[StepRecord], list[ModelEvent]]:
+    """The steps and the events of a step log (`mox serve --step-log`), each in order."""
+    steps, events = msgspec.json.Decoder(StepRecord), msgspec.json.Decoder(ModelEvent)
+    records, changes = [], []
+    with open(path, "rb") as f:
+        for line in f:
+            if line.startswith(b'{"event"'):
+                changes.append(events.decode(line))
+            elif line.strip():
+                records.append(steps.decode(line))
+    return records, changes
 
 
 class Watchdog:

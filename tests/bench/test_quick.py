@@ -17,6 +17,7 @@ from mox.bench.loadtest.summaries import meets_slo, summary, targets
 from mox.cli import main
 from mox.cli_bench import parse_slo
 from mox.errors import InvalidRequestError
+from mox.router.timeline import read_log
 
 PAGE_CACHE_SLACK_PER_MODEL = 1 << 20        # readahead of the shards' header reads
 
@@ -58,15 +59,27 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     markdown = (out / "results.md").read_text()
     assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
     assert "| uniform-rate |" in markdown                      # the per-step timeline table
-    from mox.bench.loadtest.step_summary import read_steps
     from mox.bench.loadtest.tail import decode_table, slowest, ttft_table
 
     rate = suite.policies[0]
-    worst = slowest(rate.requests, read_steps(str(out / "logs" / "uniform-rate.steps.jsonl")),
+    worst = slowest(rate.requests, read_log(str(out / "logs" / "uniform-rate.steps.jsonl"))[0],
                     rate.origin_monotonic_s, n=1)[0]     # its prompt step found in the log
     assert 0 < worst.before_step_s + worst.step_s <= worst.ttft_s + 0.05 and worst.step_s > 0
     assert "| uniform-rate | #" in ttft_table(str(out)) and "## The slowest first" in markdown
     assert "| uniform-model-swap |" in decode_table(str(out)) and "## Where decode" in markdown
+    from mox.bench.loadtest.cold_starts import cold_start
+
+    # every model starts cold: its first requests waited on its load, and the split of their
+    # first tokens (admission, load, queued, the prompt's step) fits inside each TTFT
+    swap = suite.policies[1]
+    steps, events = read_log(str(out / "logs" / "uniform-model-swap.steps.jsonl"))
+    starts = [c for r in swap.requests
+              if (c := cold_start(r, steps, events, swap.origin_monotonic_s))]
+    assert len({swap.requests[c.index].model for c in starts}) >= 2, starts
+    assert all(c.load_s > 0 and c.step_s > 0 and
+               c.admission_s + c.load_s + c.queued_s + c.step_s <= c.ttft_s + 0.1
+               for c in starts), starts
+    assert "| uniform-model-swap |" in markdown and "## Cold starts" in markdown
     from mox.bench.loadtest.two_runs import compare
 
     side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"
@@ -177,17 +190,18 @@ def test_all_resident_is_refused_where_the_weights_exceed_ram():
 
 
 def test_step_summary_reads_a_step_log(tmp_path):
-    from mox.bench.loadtest.step_summary import read_steps, summarize, table
-    from mox.router.timeline import StepRecord
+    from mox.bench.loadtest.step_summary import summarize, table
+    from mox.router.timeline import ModelEvent, StepRecord
 
-    records = [StepRecord(0.0, "a", 2, 40, 40, 0.5, 0.4, 0.1, 8, 2, 8 << 20),
+    records = [ModelEvent("load", 0.0, "a", preload=64, stream=True),     # events are skipped
+               StepRecord(0.0, "a", 2, 40, 40, 0.5, 0.4, 0.1, 8, 2, 8 << 20),
                StepRecord(0.5, "a", 2, 2, 0, 0.1, 0.08),
                StepRecord(12.0, "b", 1, 1, 0, 0.3, 0.1, 0.2, 2, 1, 2 << 20),
                StepRecord(12.3, "c", 1, 1, 0, 0.5, 0.1, 0.0, 1, 1, 1 << 20,
                           parked_seconds=0.4, slots=12, run_slots=16)]
     path = tmp_path / "uniform-rate.steps.jsonl"
     path.write_bytes(b"\n".join(msgspec.json.encode(r) for r in records) + b"\n")
-    s = summarize(read_steps(str(path)))
+    s = summarize(read_log(str(path))[0])
     assert (s.steps, s.prefill_steps, s.misses) == (4, 1, 11)
     assert s.span_s == pytest.approx(12.8)
     assert s.busy_s == pytest.approx(1.0)               # c's parked time is not busy

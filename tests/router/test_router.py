@@ -147,6 +147,11 @@ def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     assert [o.finish_reason for o in outs["a-1"] if o.finish_reason] == [FinishReason.LENGTH]
     assert outs["b-long"]                                             # b kept decoding
     assert router.models["a"].num_loads == 2 and router.models["c"].num_loads == 1
+    # the timeline's events tell the turn: a drained, parked, then c loaded, then a again
+    events = [(e.event, e.model, e.why) for e in router.timeline.events if e.model != "b"]
+    assert events[events.index(("drain", "a", "")):] == [
+        ("drain", "a", ""), ("park", "a", "drained"), ("load", "c", ""), ("landed", "c", ""),
+        ("load", "a", ""), ("landed", "a", "")], events
     for name in router.models:
         router.models[name].pool.check_integrity()
 

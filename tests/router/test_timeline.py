@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mox.messages import Request
-from mox.router.timeline import DecodeCosts, StepRecord, Watchdog
+from mox.router.timeline import DecodeCosts, StepRecord, Watchdog, read_log
 from mox.sampling import SamplingParams
 from tests.conftest import tiny_router
 
@@ -31,8 +31,13 @@ def test_each_step_leaves_a_record_and_a_log_line(hf_checkpoints, tmp_path):
         assert records[0].misses > 0 and records[0].waves >= 1   # no expert read ahead
     finally:
         router.shutdown()
-    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
-    assert [line["num_tokens"] for line in lines] == [9, 1, 1]
+    steps, events = read_log(str(log_path))
+    assert [r.num_tokens for r in steps] == [9, 1, 1]
+    # its load (started by the warm-up, dense weights only) and its landing came first
+    assert [(e.event, e.model, e.preload) for e in events] == [("load", "olmoe", 0),
+                                                                ("landed", "olmoe", 0)]
+    assert events[0].start <= events[1].start <= steps[0].start
+    assert json.loads(log_path.read_text().splitlines()[0])["event"] == "load"
 
 
 def test_the_watchdog_reports_a_long_step_and_what_it_waits_on(caplog):
