@@ -173,6 +173,26 @@ def test_a_warm_idle_model_without_room_waits_like_a_cold_one(hf_checkpoints):
     assert any(o.finish_reason for o in outs["a-long"]) and router.models["b"].num_loads == 2
 
 
+def test_a_readmitted_model_reads_ahead_what_its_idle_time_shrank(hf_checkpoints):
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a",), clock=clock, experts=16)
+    pool = router.models["a"].pool
+    router.add_request(Request("a-1", "a", [3, 4, 5], _params(2)))
+    _run(router, clock, _finished(["a-1"]))                   # a warm, then idle
+    pool.resize(pool.top_k)          # the planner squeezes an idle pool when others need room
+    assert pool.slot_pool.num_occupied == pool.top_k
+    preloads = pool.stats()["preloads"]
+    router.add_request(Request("a-2", "a", [3, 9, 4], _params(4)))
+    # its run size (every expert: a few tokens are too short a history for its curve) is read
+    # ahead at once, not met as misses one wave at a time in its steps
+    assert pool.num_slots == pool.max_slots
+    assert pool.stats()["preloads"] - preloads == pool.max_slots - pool.top_k
+    pool.wait_for_loads()
+    steps = len(router.timeline.records)
+    _run(router, clock, _finished(["a-2"]))
+    assert [r.misses for r in list(router.timeline.records)[steps:]] == [0] * 4
+
+
 def test_admission_limits_and_queue_timeouts(hf_checkpoints):
     clock = FakeClock()
     router = _router(hf_checkpoints, clock=clock, max_waiting_per_model=2, max_waiting=3,
