@@ -224,14 +224,20 @@ class ModelPool(PagedPool):
             chosen.setdefault(layer, []).append(expert)
         return {layer: sorted(experts) for layer, experts in sorted(chosen.items())}
 
+    @property
+    def has_history(self) -> bool:
+        """Has a step used its experts yet (before, which are popular is unknown)?"""
+        with self._lock:
+            return bool(self.usage.steps.any())
+
     def prefetch_popular(self, limit: int) -> int:
         """Start loading up to `limit` of the model's popular experts (used at least
         `POPULAR_OVER_UNIFORM` times as often as uniform routing would) that are not resident,
         into free slots only (nothing is evicted for a guess). Returns how many started."""
         pool = self.slot_pool
+        if not self.has_history:
+            return 0                              # any guess would be noise
         with self._lock:
-            if not self.usage.steps.any():
-                return 0                          # no history: any guess would be noise
             usage = self.usage.probabilities(self.clock())                      # [L, E]
             popular = POPULAR_OVER_UNIFORM * self.top_k / usage.shape[1]
             free = pool.target_slots - pool.num_occupied

@@ -435,8 +435,9 @@ class Router:
             admitted.view.with_state(model.name, ModelState.WARM), admitted.park, load))
         self._apply(plan)
         readmitted = next(m for m in admitted.view.models if m.name == model.name)
-        read_ahead = self.policy.preload(readmitted, plan.slots[model.name])
-        model.pool.preload(model.pool.most_used(read_ahead), wait=False)
+        if model.pool.has_history:        # (a model warmed up unused has none to go by)
+            read_ahead = self.policy.preload(readmitted, plan.slots[model.name])
+            model.pool.preload(model.pool.most_used(read_ahead), wait=False)
 
     def release(self, name: str) -> None:
         """Another replica of a fleet serves the model now (mox.fleet): its weights and slots

@@ -28,7 +28,8 @@ def test_each_step_leaves_a_record_and_a_log_line(hf_checkpoints, tmp_path):
         assert [r.num_tokens for r in records] == [9, 1, 1]   # prefill, then two decodes
         assert [r.num_prefill_tokens for r in records] == [9, 0, 0]
         assert all(r.model == "olmoe" and r.num_seqs == 1 and r.seconds > 0 for r in records)
-        assert records[0].misses > 0 and records[0].waves >= 1   # no expert read ahead
+        # warmed up with its dense weights only and never used: nothing to read ahead by
+        assert records[0].misses > 0 and records[0].waves >= 1
     finally:
         router.shutdown()
     steps, events = read_log(str(log_path))
