@@ -61,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
         max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
         dense_idle_s=args.idle_timeout,
+        tpot_target_s=None if args.tpot_target is None else args.tpot_target / 1000,
         compute_threads=args.compute_threads, step_log=args.step_log,
         direct_io=not args.buffered_io)
     tiered = config.one_ram_tier()
@@ -122,6 +123,10 @@ def _add_serve_parser(sub) -> None:
                        help="seconds a request may wait before it is aborted")
     serve.add_argument("--idle-timeout", type=float, default=300.0,
                        help="seconds idle before a model's weights leave the device")
+    serve.add_argument("--tpot-target", type=float, metavar="MS",
+                       help="time per output token to keep: a model joins the models that "
+                            "run only while their round of steps stays within it, so under "
+                            "overload fewer models run at a time (default: all of them)")
     serve.add_argument("--compute-threads", type=int,
                        help="torch threads for model steps (default: every core)")
     serve.add_argument("--buffered-io", action="store_true",

@@ -66,7 +66,7 @@ def bench_config(args: argparse.Namespace):
         seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
         scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
         home=args.home, out=args.out, quantize=args.quantize, expert_major=args.expert_major,
-        ray_replicas=args.replicas if args.ray else 0)
+        tpot_target=args.tpot_target, ray_replicas=args.replicas if args.ray else 0)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -120,6 +120,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--home", help="where the models are built (default MOX_HOME)")
     bench.add_argument("--host-memory", help="RAM cache of expert bytes per server (off)")
     bench.add_argument("--kv-memory", default="512MiB")
+    bench.add_argument("--tpot-target", action="store_true",
+                       help="tell every server the SLO's TPOT as its target (serve "
+                            "--tpot-target): under overload fewer models run at a time")
     bench.add_argument("--ray", action="store_true",
                        help="also run rate through `mox serve --ray`, the budget and the cores "
                        "split between --replicas replicas (pip install 'mox[ray]')")

@@ -262,7 +262,8 @@ class Engine:
 
     def _end(self, step: InFlight) -> None:
         self._forget(step)
-        self.last_step = step.finished_info()
+        info = self.last_step = step.finished_info()
+        self.scheduler.record_step(info.model, info.seconds - info.parked_seconds)
 
     def _forget(self, step: InFlight) -> None:
         """The step is over: its model may run again, and its aborted sequences' KV goes."""

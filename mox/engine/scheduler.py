@@ -10,6 +10,15 @@ Design note.
   layer by layer as they land while other models step. A draining model (`set_draining`: the router
   wants its memory for a model that has waited) finishes its running sequences and starts no
   new ones.
+- The round (opt-in, `tpot_target_s`): a running sequence gets one token per round of the
+  models that run, so every model that joins slows the others' time per output token. A
+  model with no running sequences joins only while the round of the models running then,
+  it included, stays within the target (each model's share: its recent own step time); the
+  one with the oldest request joins first, and while it waits no running model starts a
+  request newer than that one, so the round empties enough for it to join. Under overload
+  this serves fewer models at a time at the target's speed instead of every model too slowly
+  for any client's TPOT objective (the model-swap baseline gets the same effect from its
+  slow loads; bench/results/harness-16-avx2-0.4-*).
 - Within a model: running sequences first (decodes, and prefills still in progress), then
   waiting ones in arrival order, until the step's token budget or sequence cap is reached.
   A long prompt is prefilled in chunks of at most the token budget, so it cannot stall the
@@ -21,6 +30,7 @@ Design note.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,11 +38,16 @@ from dataclasses import dataclass, field
 from mox.engine.kv_pool import KVPool
 from mox.engine.sequence import Sequence, SequenceStatus
 
+# A model's share of the round follows its last few steps (batch sizes change as requests
+# come and go; one slow step, e.g. a miss, should not hold a model back for long).
+STEP_EWMA = 0.3
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batched_tokens: int = 256     # tokens per step: bounds a prefill chunk's latency
     max_running_sequences: int = 64
+    tpot_target_s: float | None = None   # the round's target (None: every model runs)
 
 
 @dataclass
@@ -64,6 +79,11 @@ class _ModelQueue:
     ready: bool = False               # weights loaded: the model can run
     draining: bool = False            # finishes its running sequences, starts no new one
     in_flight: bool = False           # a step of it is under way (run in slices): not again
+    step_s: float = 0.0               # its share of a round: its recent steps' own time
+
+    @property
+    def oldest_waiting(self) -> float:
+        return min((s.arrival_time for s in self.waiting), default=math.inf)
 
     @property
     def has_work(self) -> bool:
@@ -100,14 +120,41 @@ class Scheduler:
     def set_in_flight(self, name: str, in_flight: bool) -> None:
         self.queues[name].in_flight = in_flight
 
+    def record_step(self, name: str, seconds: float) -> None:
+        """A step of `name` took the loop `seconds` (its own slices and stalls, not the time
+        it was parked while others stepped)."""
+        queue = self.queues.get(name)
+        if queue is not None:
+            queue.step_s = (seconds if queue.step_s == 0.0
+                            else STEP_EWMA * seconds + (1 - STEP_EWMA) * queue.step_s)
+
+    def _held_back(self) -> tuple[set[str], float]:
+        """(models that may not join the round now, the oldest arrival among their
+        requests: no running model starts a newer one)."""
+        target = self.config.tpot_target_s
+        if target is None:
+            return set(), math.inf
+        joining = sorted((q.oldest_waiting, name) for name, q in self.queues.items()
+                         if q.runnable and not q.running)
+        round_s = sum(q.step_s for q in self.queues.values() if q.running)
+        in_round = any(q.running for q in self.queues.values())
+        for i, (_, name) in enumerate(joining):
+            step_s = self.queues[name].step_s
+            if in_round and round_s + step_s > target:
+                held = joining[i:]
+                return {n for _, n in held}, held[0][0]
+            round_s, in_round = round_s + step_s, True
+        return set(), math.inf
+
     @property
     def has_work(self) -> bool:
         """Work that can run now (of a model whose weights are loaded)."""
         return any(q.runnable for q in self.queues.values())
 
     def schedule(self) -> Batch | None:
+        held, before = self._held_back()
         candidates = [(q.last_run, name) for name, q in self.queues.items()
-                      if q.runnable]
+                      if q.runnable and name not in held]
         if not candidates:
             return None
         _, model = min(candidates)
@@ -134,7 +181,8 @@ class Scheduler:
                 self.preempt(seq)
         max_running = self.config.max_running_sequences
         while (queue.waiting and not queue.draining and budget > 0
-               and len(queue.running) < max_running):
+               and len(queue.running) < max_running
+               and queue.waiting[0].arrival_time <= before):
             seq = queue.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new, may_preempt=False):

@@ -22,6 +22,8 @@ class RouterConfig:
     host_memory: int | None = None        # RAM cache of expert bytes (None: off)
     kv_memory: int = 1 << 30
     max_batched_tokens: int = 256
+    tpot_target_s: float | None = None    # the round the scheduler keeps (None: every model
+                                          # with work runs; mox.engine.scheduler)
     prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
     direct_io: bool = True                # O_DIRECT reads (no page cache) where the filesystem
                                           # allows: the disk tier is really the disk

@@ -1,0 +1,146 @@
+"""The scheduler on its own (no model runs): which model steps next, and the round a TPOT
+target keeps. Steps are simulated: every scheduled token is computed, a sampled one appended,
+and each step of a model takes the loop the seconds the test gives it."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mox.engine.kv_pool import KVPool
+from mox.engine.scheduler import Scheduler, SchedulerConfig
+from mox.engine.sequence import Sequence
+from mox.messages import Request
+from mox.models.kv_store import KVStore
+from mox.sampling import SamplingParams
+
+MAX_STEPS = 2000
+
+
+def _scheduler(models: list[str], target_s: float | None) -> Scheduler:
+    pool = KVPool(1 << 20, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(tpot_target_s=target_s), pool)
+    for name in models:
+        pool.add_model(name, KVStore(1, 1, 4, torch.float32, torch.device("cpu"), 4))
+        scheduler.add_model(name)
+        scheduler.set_ready(name, True)
+    return scheduler
+
+
+def _add(scheduler: Scheduler, model: str, arrival: float, max_tokens: int = 4) -> Sequence:
+    request = Request(f"{model}-{arrival}", model, [1, 2, 3], SamplingParams(max_tokens))
+    seq = Sequence(request, torch.Generator(), arrival_time=arrival)
+    scheduler.add(seq)
+    return seq
+
+
+def _step(scheduler: Scheduler, step_s: dict[str, float]) -> str | None:
+    """One simulated step: its model, or None when nothing was scheduled."""
+    batch = scheduler.schedule()
+    if batch is None:
+        return None
+    for s in batch.sequences:
+        samples = s.samples
+        s.seq.num_computed_tokens += s.num_new_tokens
+        if samples:
+            s.seq.output_token_ids.append(7)
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                scheduler.release(s.seq)
+    scheduler.record_step(batch.model, step_s[batch.model])
+    return batch.model
+
+
+def _run(scheduler: Scheduler, step_s: dict[str, float]) -> list[str]:
+    """Models in step order until no work is left."""
+    order = []
+    for _ in range(MAX_STEPS):
+        if not scheduler.has_work:
+            return order
+        model = _step(scheduler, step_s)
+        assert model is not None, "runnable work but nothing scheduled"
+        order.append(model)
+    raise AssertionError("work left after the step bound")
+
+
+def test_without_a_target_every_model_with_work_takes_turns():
+    scheduler = _scheduler(["a", "b", "c"], None)
+    for i, model in enumerate("abc"):
+        _add(scheduler, model, arrival=i)
+    order = _run(scheduler, {"a": 0.1, "b": 0.1, "c": 0.1})
+    assert order[:3] == ["a", "b", "c"] and order[3:6] == ["a", "b", "c"]
+
+
+def test_a_model_joins_only_while_the_round_stays_within_the_target():
+    step_s = {"a": 0.1, "b": 0.1, "c": 0.1}
+    scheduler = _scheduler(["a", "b", "c"], 0.25)
+    for model in "abc":                # each model's step time is known from earlier work
+        scheduler.record_step(model, step_s[model])
+    for i, model in enumerate("abc"):
+        _add(scheduler, model, arrival=i)
+    order = _run(scheduler, step_s)
+    first_c = order.index("c")
+    # a and b make a 0.2 s round: c (another 0.1 s) joins once a has finished (its 4 steps),
+    # beside b's last
+    assert order[:first_c].count("a") == 4 and order[:first_c].count("b") == 3
+    assert order[first_c:].count("b") == 1
+
+
+def test_a_held_model_is_not_starved_by_newer_requests_of_running_ones():
+    step_s = {"a": 0.2, "b": 0.2}
+    scheduler = _scheduler(["a", "b"], 0.3)
+    for model in "ab":
+        scheduler.record_step(model, step_s[model])
+    _add(scheduler, "a", arrival=0)
+    _add(scheduler, "b", arrival=1)
+    assert _step(scheduler, step_s) == "a"           # a runs; b would make the round 0.4 s
+    older = _add(scheduler, "a", arrival=0.5)        # before b's request: a may start it
+    newer = _add(scheduler, "a", arrival=2)          # after it: not until b has run
+    order, started = [], {}
+    for _ in range(MAX_STEPS):
+        if not scheduler.has_work:
+            break
+        model = _step(scheduler, step_s)
+        order.append(model)
+        for seq in (older, newer):
+            if seq.num_computed_tokens and seq.request_id not in started:
+                started[seq.request_id] = len(order)
+    assert "b" in order
+    assert started[older.request_id] < order.index("b") < started[newer.request_id]
+
+
+def test_an_empty_round_admits_a_model_over_the_target_and_an_unmeasured_one_joins():
+    scheduler = _scheduler(["a", "b", "c"], 0.05)
+    scheduler.record_step("a", 1.0)                  # alone, a's step is over the target
+    _add(scheduler, "a", arrival=0)
+    _add(scheduler, "b", arrival=1)
+    order = _run(scheduler, {"a": 1.0, "b": 0.01, "c": 0.01})
+    assert order == ["a"] * 4 + ["b"] * 4            # b only once a's round is over
+    _add(scheduler, "b", arrival=2)
+    _add(scheduler, "c", arrival=3)                  # no step time yet: it fits any round
+    assert set(_run(scheduler, {"a": 1.0, "b": 0.01, "c": 0.01})[:2]) == {"b", "c"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(step_ms=st.lists(st.integers(1, 300), min_size=2, max_size=5),
+       target_ms=st.integers(1, 600),
+       arrivals=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6)), min_size=1,
+                         max_size=12))
+def test_every_request_finishes_and_a_full_round_never_grows(step_ms, target_ms, arrivals):
+    models = [f"m{i}" for i in range(len(step_ms))]
+    step_s = {m: ms / 1000 for m, ms in zip(models, step_ms)}
+    scheduler = _scheduler(models, target_ms / 1000)
+    for m in models:
+        scheduler.record_step(m, step_s[m])
+    seqs = [_add(scheduler, models[i % len(models)], arrival=t, max_tokens=n)
+            for t, (i, n) in enumerate(arrivals)]
+    for _ in range(MAX_STEPS):
+        if not scheduler.has_work:
+            break
+        running = {m for m, q in scheduler.queues.items() if q.running}
+        model = _step(scheduler, step_s)
+        assert model is not None
+        if model not in running and running:
+            # a model joined a round that was not empty: the round stays within the target
+            assert sum(step_s[m] for m in running | {model}) <= target_ms / 1000 + 1e-9
+    assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
