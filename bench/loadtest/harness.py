@@ -124,6 +124,8 @@ class ServerProcess:
                      "--step-log", os.path.splitext(log_path)[0] + ".steps.jsonl"]
         if config.host_memory:
             self.argv += ["--host-memory", config.host_memory]
+        if config.tpot_target:
+            self.argv += ["--tpot-target", f"{config.slo.tpot_ms:g}"]
         if replicas:
             cpus = (os.cpu_count() or 1) / replicas
             self.argv += ["--ray", "--replicas", str(replicas), "--cpus-per-replica",

@@ -139,7 +139,9 @@ def markdown(results: Results, plots: list[str]) -> str:
              + f"; device budget = dense + {c.device_memory_fraction:g} x experts"
              + (f" (bf16 experts; served {c.quantize})" if c.quantize else "")
              + (" (served expert-major)" if c.expert_major else "") + "; "
-             f"SLO TTFT {c.slo.ttft_ms:g} ms, TPOT {c.slo.tpot_ms:g} ms.", ""]
+             f"SLO TTFT {c.slo.ttft_ms:g} ms, TPOT {c.slo.tpot_ms:g} ms"
+             + ("; every server keeps the SLO's TPOT as its target (--tpot-target)"
+                if c.tpot_target else "") + ".", ""]
     for suite in results.suites:
         w, tg = suite.workload, suite.targets
         lines += [f"## {suite.name} routing (skew {suite.routing_skew:g})", "",

@@ -42,6 +42,7 @@ class BenchConfig(msgspec.Struct, kw_only=True):
     out: str = "."
     quantize: str | None = None       # experts int8 | int4 | fp8 (the budget counts bf16's)
     expert_major: bool = False        # the models repacked as `mox models import` leaves them
+    tpot_target: bool = False         # every server keeps the SLO's TPOT (serve --tpot-target)
     ray_replicas: int = 0             # > 0: rate also through `mox serve --ray` (budget / N each)
 
 
