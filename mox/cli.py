@@ -49,21 +49,12 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from mox.router import RouterConfig
     from mox.serve import ServeOptions, serve
     from mox.server.limits import ServerLimits
     from mox.units import parse_size
 
     logging.basicConfig(level=logging.INFO, format="mox: %(message)s")
-    config = RouterConfig(
-        policy=args.policy, device=args.device, dtype=args.dtype,
-        device_memory=parse_size(args.device_memory), host_memory=parse_size(args.host_memory),
-        kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
-        max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
-        dense_idle_s=args.idle_timeout,
-        tpot_target_s=None if args.tpot_target is None else args.tpot_target / 1000,
-        compute_threads=args.compute_threads, step_log=args.step_log,
-        direct_io=not args.buffered_io)
+    config = router_config(args)
     tiered = config.one_ram_tier()
     if tiered != config:
         logging.info("on a CPU the host cache is the slots' RAM: --host-memory %s joins the "
@@ -81,6 +72,22 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args, options)
     return asyncio.run(serve(options))
+
+
+def router_config(args: argparse.Namespace):
+    """The router's configuration from `mox serve`'s options."""
+    from mox.router import RouterConfig
+    from mox.units import parse_size
+
+    return RouterConfig(
+        policy=args.policy, device=args.device, dtype=args.dtype,
+        device_memory=parse_size(args.device_memory), host_memory=parse_size(args.host_memory),
+        kv_memory=parse_size(args.kv_memory), max_waiting_per_model=args.max_waiting_per_model,
+        max_waiting=args.max_waiting, queue_timeout_s=args.queue_timeout,
+        dense_idle_s=args.idle_timeout,
+        tpot_target_s=None if args.tpot_target is None else args.tpot_target / 1000,
+        compute_threads=args.compute_threads, step_log=args.step_log,
+        direct_io=not args.buffered_io)
 
 
 def _serve_on_ray(args: argparse.Namespace, options) -> int:
