@@ -47,10 +47,14 @@ def _router(hf_checkpoints, names=("a", "b"), clock=None, experts=6, settings=No
                   settings=settings)
 
 
-def _step(router: Router, clock: FakeClock | None = None) -> list:
-    """One router step; waits for a landing load when there is nothing to run."""
-    if not router.has_work and any(m.state == ModelState.LOADING
-                                   for m in router.models.values()):
+def _step(router: Router, clock: FakeClock | None = None, settle: bool = False) -> list:
+    """One router step; waits for a landing load when there is nothing to run (`settle`: for
+    any load in flight, so a load takes no simulated time and the order of turns is the
+    traffic's, not the disk's)."""
+    loading = any(m.state == ModelState.LOADING for m in router.models.values())
+    if settle and loading:
+        router._loader.drain()
+    elif not router.has_work and loading:
         assert router.wake.wait(30), "a load never landed"
         router.wake.clear()
     outputs = router.step()
@@ -62,10 +66,11 @@ def _step(router: Router, clock: FakeClock | None = None) -> list:
     return outputs
 
 
-def _run(router: Router, clock: FakeClock | None, until) -> dict[str, list]:
+def _run(router: Router, clock: FakeClock | None, until, settle: bool = False
+         ) -> dict[str, list]:
     outputs: dict[str, list] = {}
     for _ in range(MAX_STEPS):
-        for out in _step(router, clock):
+        for out in _step(router, clock, settle):
             outputs.setdefault(out.request_id, []).append(out)
         if until(outputs):
             return outputs
@@ -105,7 +110,9 @@ def test_steady_traffic_does_not_thrash(hf_checkpoints):
         ids = [f"{m}{period}" for m in "ab"]
         for rid in ids:
             router.add_request(Request(rid, rid[0], [3, 4, 5 + period % 3], _params(3)))
-        _run(router, clock, _finished(ids))
+        # settled loads: a load that landed a few steps later let the other model's turn
+        # end first, and one period's snapshot caught a's pool instead of b's (CI)
+        _run(router, clock, _finished(ids), settle=True)
         clock.now += 1.0
         history.append(tuple(router.models[n].pool.num_slots for n in "ab"))
     steady = history[4:]
