@@ -7,10 +7,14 @@ import dataclasses
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
 from mox.errors import MoxError
+
+if TYPE_CHECKING:                  # the router imports torch: `mox --help` should not wait on it
+    from mox.router import RouterConfig
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -74,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(options))
 
 
-def router_config(args: argparse.Namespace):
+def router_config(args: argparse.Namespace) -> RouterConfig:
     """The router's configuration from `mox serve`'s options."""
     from mox.router import RouterConfig
     from mox.units import parse_size

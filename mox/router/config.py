@@ -39,6 +39,9 @@ class RouterConfig:
         if self.policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {self.policy!r}; choose from "
                                       f"{ROUTER_POLICIES}", param="policy")
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise InvalidRequestError(f"the TPOT target must be a positive time, not "
+                                      f"{self.tpot_target_s!r} s", param="tpot_target")
 
     def one_ram_tier(self) -> RouterConfig:
         """The server's tiers on a CPU: expert slots and a host cache would be the same RAM,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mox.cli import build_parser, router_config
+from mox.errors import InvalidRequestError
 
 
 def test_serve_options_reach_the_router_config():
@@ -12,3 +15,10 @@ def test_serve_options_reach_the_router_config():
     assert config.tpot_target_s == 0.25
     assert config.device_memory == 1 << 30 and config.policy == "model-swap"
     assert router_config(build_parser().parse_args(["serve"])).tpot_target_s is None
+
+
+@pytest.mark.parametrize("ms", ["0", "-5", "nan"])
+def test_a_tpot_target_that_is_not_a_positive_time_is_refused(ms):
+    args = build_parser().parse_args(["serve", "--tpot-target", ms])
+    with pytest.raises(InvalidRequestError, match="TPOT target"):
+        router_config(args)
