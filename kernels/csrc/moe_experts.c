@@ -125,7 +125,7 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
             act[p * I + i] = f32_to_bf16(activate(g, gate_up[p * 2 * I + i] + bg,
                                                   gate_up[p * 2 * I + I + i] + bu));
             if (act_f)                        /* the AVX2 path's float32 copy */
-                act_f[p * I + i] = bf16_to_f32(act[p * I + i]);
+                act_f[p * I + avx2_lane(i, I)] = bf16_to_f32(act[p * I + i]);
         }
     }
 }

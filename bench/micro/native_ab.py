@@ -1,0 +1,149 @@
+"""A/B of two builds of the native CPU kernels in one run: the sources of a git revision
+(`--base`, default HEAD) against the working tree's, alternated pass by pass on the same
+data, so a kernel change is measured against what it replaces on this machine at the same
+moment (this VM's memory rate drifts 30-50% between runs).
+
+- `gemv`: the decode GEMV (kernels/csrc/bf16_gemv.c) on the bench olmoe's dense shapes,
+  weights cycled past the L3 (every call reads from memory), M rows of activations;
+- `moe`: one MoE layer's experts (kernels/csrc/moe_experts.c) over a 64-slot pool of the bench
+  olmoe's experts (H 1024, I 512), each call routing T tokens to 8 experts at random.
+
+Figures: GB/s of weight read, median of the alternated passes, and new / base.
+
+    .venv/bin/python -m mox.bench.micro.native_ab [--base REV] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mox.bench.machine import describe
+from mox.kernels import native, native_build
+
+RESULTS_DIR = Path(__file__).parent.parent / "results"
+CYCLED_BYTES = 256 << 20          # the GEMV's matrices together: well past the L3
+GEMV_SHAPES = {"gate+up [1024, 1024]": (1024, 1024), "attention qkv [3072, 1024]": (3072, 1024),
+               "lm_head [32000, 1024]": (32000, 1024)}
+GEMV_ROWS = (1, 2, 4, 8, 32)
+MOE_TOKENS = (1, 8, 32)
+HIDDEN, INTER, SLOTS, TOP_K = 1024, 512, 64, 8
+PASSES = 5
+
+
+def base_sources(rev: str, folder: str) -> str:
+    """kernels/csrc as of `rev`, written under `folder`."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/csrc"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        blob = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{name}"], check=True,
+                              capture_output=True).stdout
+        Path(folder, name).write_bytes(blob)
+    return folder
+
+
+def alternate(builds: dict[str, native.NativeKernels],
+              one_pass: Callable[[native.NativeKernels], int]) -> dict[str, float]:
+    """Median GB/s per build, the builds taking turns pass by pass."""
+    rates: dict[str, list[float]] = {tag: [] for tag in builds}
+    for _ in range(PASSES):
+        for tag, lib in builds.items():
+            start = time.perf_counter()
+            nbytes = one_pass(lib)
+            rates[tag].append(nbytes / (time.perf_counter() - start) / 1e9)
+    return {tag: statistics.median(r) for tag, r in rates.items()}
+
+
+def _gemv_pass(x: torch.Tensor, weights: list[torch.Tensor], lib: native.NativeKernels) -> int:
+    for w in weights:
+        lib.gemv(x, w)
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
+def _moe_pass(calls: list, w13: torch.Tensor, w2: torch.Tensor,
+              lib: native.NativeKernels) -> int:
+    for runs, rows, weights, scratch in calls:
+        lib.moe_experts(rows, w13, w2, runs, weights, scratch)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return sum(len(runs) for runs, *_ in calls) * expert_bytes
+
+
+def gemv_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
+    lines = ["| GEMV | " + " | ".join(f"M={m}" for m in GEMV_ROWS) + " |",
+             "|---|" + "---|" * len(GEMV_ROWS)]
+    for name, (n, k) in GEMV_SHAPES.items():
+        weights = [torch.randn(n, k).bfloat16()
+                   for _ in range(max(2, CYCLED_BYTES // (n * k * 2)))]
+        cells = []
+        for m in GEMV_ROWS:
+            r = alternate(builds, partial(_gemv_pass, torch.randn(m, k).bfloat16(), weights))
+            cells.append(f"{r['base']:.1f} -> {r['new']:.1f} ({r['new'] / r['base']:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def moe_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
+    w13 = (torch.randn(SLOTS, 2 * INTER, HIDDEN) * 0.05).bfloat16()
+    w2 = (torch.randn(SLOTS, HIDDEN, INTER) * 0.05).bfloat16()
+    generator = torch.Generator().manual_seed(0)
+    lines = ["| MoE layer (64 slots of 3 MiB) | base GB/s | new GB/s | new / base |",
+             "|---|---|---|---|"]
+    for tokens in MOE_TOKENS:
+        calls = []
+        for _ in range(24):
+            ids = torch.stack([torch.randperm(SLOTS, generator=generator)[:TOP_K]
+                               for _ in range(tokens)]).flatten()
+            slots, counts = torch.unique(ids, return_counts=True)
+            runs = list(zip(slots.tolist(), counts.tolist()))
+            num_rows = tokens * TOP_K
+            calls.append((runs, torch.randn(num_rows, HIDDEN).bfloat16(), torch.ones(num_rows),
+                          [torch.empty(num_rows, 2 * INTER),
+                           torch.empty(num_rows, INTER, dtype=torch.bfloat16),
+                           torch.empty(num_rows, HIDDEN)]))
+        r = alternate(builds, partial(_moe_pass, calls, w13, w2))
+        lines.append(f"| {tokens} tokens | {r['base']:.1f} | {r['new']:.1f} | "
+                     f"{r['new'] / r['base']:.2f}x |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mox.bench.micro.native_ab",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="git revision of the base sources")
+    parser.add_argument("--name", help="also write bench/results/NAME.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as folder:
+        base = native_build.build(base_sources(args.base, folder))
+        new = native_build.build(native.SOURCE_DIR)
+        if base is None or new is None:
+            raise SystemExit("the native kernels could not be built here")
+        builds = {"base": native.NativeKernels(base), "new": native.NativeKernels(new)}
+        lines = gemv_rows(builds) + [""] + moe_rows(builds)
+    head = ["# Native kernels: the working tree against " + args.base, "",
+            f"- command: .venv/bin/python -m mox.bench.micro.native_ab --base {args.base}"
+            + (f" --name {args.name}" if args.name else ""),
+            f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+            f"- machine: {describe()}", f"- load average before: {load[0]:.2f}",
+            f"- threads: {torch.get_num_threads()}", "",
+            "GB/s of weight read, median of alternated passes: base -> new (new / base).", ""]
+    text = "\n".join(head + lines) + "\n"
+    print(text)
+    if args.name:
+        (RESULTS_DIR / f"{args.name}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
