@@ -70,9 +70,9 @@ static inline float sum8(__m256 v) {
 /* one weight row against M <= AVX2_ROWS x rows already widened to float32 (`xf`, row stride
  * ldx, in `avx2_lane` order): AVX2 has no bf16 dot product, so the weights are widened in
  * registers and met by FMAs; the activations are widened once per call, not once per weight
- * row. A software prefetch 8 KiB ahead keeps reads in flight across the short runs the MoE kernel streams
- * (64-row chunks): 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM, five alternated A/B
- * pairs; prefetches past the end of a pool do not fault. */
+ * row. A software prefetch 8 KiB ahead keeps reads in flight across the short runs the MoE
+ * kernel streams (64-row chunks): 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM, five
+ * alternated A/B pairs; prefetches past the end of a pool do not fault. */
 __attribute__((target("avx2,fma")))
 static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, float *out,
                             int64_t ldy, int M, int64_t K) {
