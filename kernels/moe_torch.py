@@ -80,7 +80,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             topk_ids.shape[0] == 1 or scales.fmt != INT8_PER_CHANNEL):   # (int8: see below)
         return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
     if topk_ids.shape[0] == 1:
-        slots = slot_of[topk_ids[0].long()].tolist()
+        slot_list = slot_of.tolist()        # (host lists: cheaper than indexing a tensor)
+        slots = [slot_list[expert] for expert in topk_ids[0].tolist()]
         if native_experts:
             return _native_one_token(x, experts, topk_weights[0], slots, ws).to(out_dtype)
         return _one_token(x, experts, topk_weights, slots).to(out_dtype)

@@ -1,5 +1,6 @@
 """The CPU decode kernels of `csrc/` (bf16_gemv.c, moe_experts.c, decode_attention.c,
-rms_norm.c, rope_kv.c), built at first use (`native_build`) and called through ctypes.
+rms_norm.c, rope_kv.c, attention_block.c), built at first use (`native_build`) and called
+through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -25,6 +26,7 @@ import os
 import torch
 
 from .activation import Activation
+from .native_attention import AttentionLayer, check_step
 from .native_build import SOURCE_DIR, build
 from .native_moe import (
     C_KINDS,
@@ -91,6 +93,12 @@ class NativeKernels:
                          + [ctypes.c_int64])
         rope.restype = ctypes.c_int
         self._rope = rope
+        block = self._lib.mox_attention_block_bf16
+        block.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                          + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+                          + [ctypes.c_void_p] * 6)
+        block.restype = ctypes.c_int
+        self._block = block
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
         # float32 in registers); FP8 experts need the former, integer ones VNNI
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
@@ -239,6 +247,36 @@ class NativeKernels:
                       keys.shape[0]) != 0:
             raise ValueError(f"rope_kv refused r={rotary_dim} d={dim} or a slot outside "
                              f"the store's {keys.shape[0]}")
+
+    def attention_block(self, layer: AttentionLayer, x: torch.Tensor,
+                        tables: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                        values: torch.Tensor, slot_mapping: torch.Tensor,
+                        kv_slots: torch.Tensor, starts: torch.Tensor,
+                        lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode layer's attention half (csrc/attention_block.c) for bf16 rows `x [T, H]`
+        (T <= GEMV_MAX_ROWS): returns `x + attention(rms_norm(x))` and its post-attention
+        norm, both `[T, H]`. `tables`: the tokens' RoPE cos, sin `[T, 1, r]` float32; `keys`,
+        `values [N, h_kv, d]`: the layer's store (each token's k, v written at
+        `slot_mapping [T]`); token t attends to `kv_slots[starts[t]:starts[t] + lengths[t]]`."""
+        cos, sin = (t.reshape(t.shape[0], -1) for t in tables)
+        indices = [slot_mapping, starts, lengths, kv_slots]
+        check_step(layer, x, cos, sin, keys, values, indices)
+        if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+            raise ValueError(f"attention_block takes 1 to {GEMV_MAX_ROWS} rows")
+        x_out, h_out = torch.empty_like(x), torch.empty_like(x)
+        status = self._block(ctypes.addressof(layer.struct), x.data_ptr(), x.shape[0],
+                             cos.data_ptr(), sin.data_ptr(), cos.stride(0), keys.data_ptr(),
+                             values.data_ptr(), keys.shape[0], slot_mapping.data_ptr(),
+                             kv_slots.data_ptr(), starts.data_ptr(), lengths.data_ptr(),
+                             x_out.data_ptr(),
+                             h_out.data_ptr())
+        if status == -2:
+            raise MemoryError("attention_block could not allocate its intermediates")
+        if status != 0:
+            raise ValueError(f"attention_block refused T={x.shape[0]} (a slot outside the "
+                             f"store's {keys.shape[0]}, a key run of no keys, or the rotary "
+                             f"dim {layer.rotary_dim})")
+        return x_out, h_out
 
 
 @functools.cache

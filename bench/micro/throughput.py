@@ -213,7 +213,7 @@ def dense_gemms(llm: LLM, num_tokens: int) -> dict:
     lm_head's plus routers'."""
     model, x = llm.model, torch.ones(num_tokens, llm.model.spec.hidden_size, dtype=llm.dtype)
     gemms = {"attention_gemms_ms": [w for layer in model.layers for w in (
-        layer.attention.q, layer.attention.k, layer.attention.v, layer.attention.o)],
+        layer.attention.qkv, layer.attention.o)],
         "other_gemms_ms": [model.lm_head] + [layer.mlp.router for layer in model.layers]}
     return {name: statistics.median(timed(lambda ws=ws: [linear(x, w) for w in ws])) * 1e3
             for name, ws in gemms.items()}

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "exported.h"
 #include "rows.h"
 
 #define MAX_GEMV_ROWS 1024       /* native.py GEMV_MAX_ROWS */

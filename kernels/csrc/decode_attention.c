@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "exported.h"
 #include "rows.h"
 
 /* q . k over n values (q float32, k bf16) */

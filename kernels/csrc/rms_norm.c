@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "exported.h"
 
 /* x [rows, dim] (row stride ldx), weight [dim], out [rows, dim] (row stride ldo) */
 int mox_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,

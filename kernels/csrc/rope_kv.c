@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exported.h"
 
 #define MAX_ROTARY 1024
 

@@ -11,8 +11,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mox.kernels.native_attention import AttentionLayer
 from mox.loaders.spec import ModelSpec
-from mox.models.attention import AttentionWeights, attention
+from mox.models.attention import (
+    AttentionWeights,
+    attention,
+    attention_block,
+    native_layer,
+    takes_block,
+)
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
@@ -55,6 +62,7 @@ class MoEDecoder:
         moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEWeights)]
         # each MoE block's successor, whose router predicts what to prefetch
         self.next_moe = {a.moe_layer: b for a, b in zip(moe, moe[1:])}
+        self._native_layers: dict[int, AttentionLayer | None] = {}   # see _native_layer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,9 +97,13 @@ class MoEDecoder:
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
-            h = rms_norm(x, layer.post_attention_norm, eps)
+            native_layer = self._native_layer(i, x, batch)
+            if native_layer is not None:           # CPU decode: the same steps in one call
+                x, h = attention_block(native_layer, i, x, self.rotary, batch)
+            else:
+                h = rms_norm(x, layer.input_norm, eps)
+                x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
+                h = rms_norm(x, layer.post_attention_norm, eps)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)
                 x = x + (yield from moe_block(self.spec, layer.mlp, self.experts, h))
@@ -102,6 +114,19 @@ class MoEDecoder:
             x = x[batch.logits_indices]                                               # [S, H]
         x = rms_norm(x, self.final_norm, eps)
         return linear(x, self.lm_head).float()
+
+    def _native_layer(self, i: int, x: torch.Tensor, batch: ForwardBatch
+                      ) -> AttentionLayer | None:
+        """Layer i's struct for the native attention block, where it serves this batch
+        (built on first use)."""
+        layer = self.layers[i]
+        if self.spec.mla is not None or not takes_block(layer.attention, x, batch):
+            return None
+        if i not in self._native_layers:
+            self._native_layers[i] = native_layer(self.spec, layer.attention, i,
+                                                  layer.input_norm, layer.post_attention_norm,
+                                                  self.rotary)
+        return self._native_layers[i]
 
     def _prefetch_next(self, current: MoEWeights, h: torch.Tensor) -> None:
         """The next MoE layer's router applied to this layer's input predicts its experts

@@ -101,15 +101,11 @@ def _attention_weights(spec: ModelSpec, read: _DenseReader,
                        prefix: str) -> AttentionWeights | MLAWeights:
     if spec.mla is not None:
         return _mla_weights(spec, read, prefix)
-    w = AttentionWeights(
-        q=read(f"{prefix}.q_proj.weight"),
-        k=read(f"{prefix}.k_proj.weight"),
-        v=read(f"{prefix}.v_proj.weight"),
-        o=read(f"{prefix}.o_proj.weight"))
+    projections = [f"{prefix}.{name}_proj" for name in "qkv"]
+    w = AttentionWeights(qkv=torch.cat([read(f"{p}.weight") for p in projections]),
+                         o=read(f"{prefix}.o_proj.weight"))
     if spec.qkv_bias:
-        w.q_bias = read(f"{prefix}.q_proj.bias")
-        w.k_bias = read(f"{prefix}.k_proj.bias")
-        w.v_bias = read(f"{prefix}.v_proj.bias")
+        w.qkv_bias = torch.cat([read(f"{p}.bias") for p in projections])
     if spec.o_bias:
         w.o_bias = read(f"{prefix}.o_proj.bias")
     if spec.qk_norm != QK_NORM_NONE:

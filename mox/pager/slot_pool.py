@@ -106,16 +106,21 @@ class SlotPool:
         self.b13, self.b2 = (parts[-2], parts[-1]) if self.has_bias else (None, None)
         self.slots = [Slot() for _ in range(num_slots)]
         self._num_occupied = 0
+        self._in_use: tuple | None = None     # ((size, w13 address), in_use()'s tensors)
 
     def in_use(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                               torch.Tensor | None, ExpertScales | None]:
         """w13, w2, b13, b2 and the scales over the slots of the current size (the mapped
         tensors span every expert; a kernel sizes its per-slot work by the first dim)."""
         n = self.num_slots
-        scales = (None if self.fmt is None else
-                  ExpertScales(self.fmt, self.w13_scale[:n], self.w2_scale[:n]))
-        return (self.w13[:n], self.w2[:n], None if self.b13 is None else self.b13[:n],
-                None if self.b2 is None else self.b2[:n], scales)
+        key = (n, self.w13.data_ptr())       # (every wave asks; slicing five tensors is not free)
+        if self._in_use is None or self._in_use[0] != key:
+            scales = (None if self.fmt is None else
+                      ExpertScales(self.fmt, self.w13_scale[:n], self.w2_scale[:n]))
+            self._in_use = key, (self.w13[:n], self.w2[:n],
+                                 None if self.b13 is None else self.b13[:n],
+                                 None if self.b2 is None else self.b2[:n], scales)
+        return self._in_use[1]
 
     def _parts(self) -> list[torch.Tensor]:
         return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale, self.b13, self.b2)

@@ -61,8 +61,9 @@ class ExpertUsage:
         self._decay = GrowingWeights(half_life_s, self.counts, self.steps)
 
     def record(self, moe_layer: int, experts: Iterable[int], now: float) -> None:
-        weight = self._decay.weight(now)
-        self.counts[moe_layer, list(experts)] += weight
+        weight, row = self._decay.weight(now), self.counts[moe_layer]
+        for expert in experts:        # (a decode's few: cheaper than one fancy-indexed add)
+            row[expert] += weight
         self.steps[moe_layer] += weight
 
     def probabilities(self, now: float) -> np.ndarray:
@@ -114,21 +115,26 @@ class MissRatioCurve:
         """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step."""
         assert len(set(keys.tolist())) == len(keys), "keys of one step must be distinct"
         slots = self._slot[keys]
-        slots = slots[slots >= 0]
+        if self.ratio > 1:
+            slots = slots[slots >= 0]
         last = self.last_use[slots]
-        seen = np.isfinite(last)
+        last = last[last > -np.inf]                                 # seen before
         # keys used at or after each one's last use: a comparison per (access, key) for a
         # decode's few accesses, a sort of the keys' times for a prefill's many
-        if seen.sum() <= SORT_ABOVE_ACCESSES:
-            distance = (self.last_use[None, :] >= last[seen][:, None]).sum(axis=1)
+        if len(last) <= SORT_ABOVE_ACCESSES:
+            distance = (self.last_use >= last[:, None]).sum(axis=1)
         else:
             order = np.sort(self.last_use)
-            distance = len(order) - np.searchsorted(order, last[seen], side="left")
-        distance = np.minimum(1 + (distance - 1) * self.ratio, self.num_keys)   # itself, once
+            distance = len(order) - np.searchsorted(order, last, side="left")
         weight = self._decay.weight(now) * self.ratio           # each stands for `ratio`
-        np.add.at(self.counts, distance - 1, weight)
-        self.counts[-1] += weight * int((~seen).sum())
-        self.last_use[slots] = self._tick + np.arange(len(slots))
+        if self.ratio == 1:
+            # distinct last uses give distinct distances: a plain indexed add is exact
+            self.counts[distance - 1] += weight
+        else:
+            distance = np.minimum(1 + (distance - 1) * self.ratio, self.num_keys)  # itself, once
+            np.add.at(self.counts, distance - 1, weight)
+        self.counts[-1] += weight * (len(slots) - len(last))
+        self.last_use[slots] = np.arange(self._tick, self._tick + len(slots))
         self._tick += len(slots)
 
     def hit_rates(self) -> np.ndarray:
