@@ -44,14 +44,22 @@ class MoEWorkspace:
     call at a time."""
 
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the last view handed out per name: decode asks for the same shapes step after step
+    views: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
 
     def get(self, name: str, rows: int, cols: int, dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
+        key = rows, cols, dtype, device
+        last = self.views.get(name)
+        if last is not None and last[0] == key:
+            return last[1]
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < rows * cols or buf.dtype != dtype or buf.device != device:
             buf = torch.empty(max(rows * cols, 1), dtype=dtype, device=device)
             self.buffers[name] = buf
-        return buf[:rows * cols].view(rows, cols)
+        view = buf[:rows * cols].view(rows, cols)
+        self.views[name] = key, view
+        return view
 
 
 def _has_grouped_mm(x: torch.Tensor) -> bool:

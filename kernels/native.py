@@ -68,6 +68,7 @@ class NativeKernels:
                         + [ctypes.c_int])
         moe.restype = ctypes.c_int
         self._moe = moe
+        self._pools_checked: list = []     # see check_experts
         moe_q = self._lib.mox_moe_experts_quantized
         moe_q.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p, ctypes.c_int64] * 4
                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64,
@@ -145,22 +146,23 @@ class NativeKernels:
         `runs`: (slot, number of rows) of each active slot, in row order; `row_weights [P]`
         float32; `scratch`: gate_up `[P, 2I]` f32, act `[P, I]` bf16 and the result
         `[P, H]` f32, each row scaled by its routing weight, which is returned."""
-        check_experts(rows, w13, w2, scratch, scales, row_weights)
+        check_experts(rows, w13, w2, scratch, scales, row_weights, self._pools_checked)
         hidden, inter = rows.shape[1], w13.shape[1] // 2
-        if sum(count for _, count in runs) != rows.shape[0] or any(
-                count < 0 or not 0 <= slot < w13.shape[0] for slot, count in runs):
+        slots, counts = zip(*runs) if runs else ((), ())
+        if sum(counts) != rows.shape[0] or min(counts, default=0) < 0 or not (
+                0 <= min(slots, default=0) and max(slots, default=0) < w13.shape[0]):
             raise ValueError("moe_experts' runs must cover its rows, in slots of its pools")
         gate_up, act, down = scratch
         if not runs:
             return down                                    # no rows: nothing to compute
         gates = gating(activation, b13, b2, w13.shape[0], hidden, inter)
         # slots, first rows, counts: int64 arrays the C code reads (no tensors built per call)
-        num_active, starts = len(runs), itertools.accumulate(
-            (count for _, count in runs[:-1]), initial=0)
+        num_active = len(runs)
         table = (ctypes.c_int64 * (3 * num_active))(
-            *(slot for slot, _ in runs), *starts, *(count for _, count in runs))
+            *slots, *itertools.accumulate(counts[:-1], initial=0), *counts)
         slots_ptr, column = ctypes.addressof(table), ctypes.sizeof(ctypes.c_int64) * num_active
-        row_weights = row_weights.to(torch.float32).contiguous()
+        if row_weights.dtype != torch.float32 or not row_weights.is_contiguous():
+            row_weights = row_weights.to(torch.float32).contiguous()
         tail = (gates, slots_ptr, slots_ptr + column, slots_ptr + 2 * column,
                 num_active, row_weights.data_ptr(), hidden, inter, gate_up.data_ptr(),
                 act.data_ptr(), down.data_ptr(), int(fast))

@@ -20,27 +20,43 @@ SILU_GATE = Activation(SILU)
 
 def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scratch: list[torch.Tensor], scales: ExpertScales | None,
-                  row_weights: torch.Tensor) -> None:
+                  row_weights: torch.Tensor, checked: list) -> None:
     """What `moe_experts` hands the C code must be laid out as it reads it: a mismatch would
-    read or write out of bounds, so it raises here."""
+    read or write out of bounds, so it raises here. `checked`: the pools last found good, as
+    [(w13, w2, scales, hidden)]: a decode step hands the same pools to every call, so they
+    are checked once (the rows and scratch every time)."""
     (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
+    if [t.dtype for t in scratch] != [torch.float32, torch.bfloat16, torch.float32] or (
+            row_weights.numel() != num_rows or rows.dtype != torch.bfloat16):
+        raise ValueError("moe_experts takes bf16 rows, and its row weights and scratch must "
+                         "match them")
+    for t in (rows, *scratch):
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+            raise ValueError("moe_experts takes tensors contiguous per slot and per row")
+    if [t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
+                                       (num_rows, hidden)]:
+        raise ValueError("moe_experts' scratch and pools disagree with its rows")
+    last = checked[0] if checked else None
+    if last is None or any(a is not b for a, b in zip(last[:3], (w13, w2, scales))) or (
+            last[3] != hidden):
+        _check_pools(w13, w2, scales, hidden, inter)
+        checked[:] = [(w13, w2, scales, hidden)]
+
+
+def _check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
+                 hidden: int, inter: int) -> None:
     slots = {w13.shape[0], w2.shape[0]} | (
         set() if scales is None else {scales.w13.shape[0], scales.w2.shape[0]})
-    if len(slots) != 1 or row_weights.numel() != num_rows or [t.dtype for t in scratch] != [
-            torch.float32, torch.bfloat16, torch.float32]:
-        raise ValueError("moe_experts' pools, scales, row weights and scratch disagree")
-    for t in (rows, w13, w2, *scratch):
+    if len(slots) != 1:
+        raise ValueError("moe_experts' pools and scales disagree")
+    for t in (w13, w2):
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError("moe_experts takes tensors contiguous per slot and per row")
     stored = (lambda r, c: (r, c)) if scales is None else scales.fmt.stored_shape
-    if ([t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
-                                       (num_rows, hidden)]
-            or w13.shape[1:] != stored(2 * inter, hidden)
-            or w2.shape[1:] != stored(hidden, inter)):
+    if w13.shape[1:] != stored(2 * inter, hidden) or w2.shape[1:] != stored(hidden, inter):
         raise ValueError("moe_experts' scratch and pools disagree with its rows")
     weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
-    if (rows.dtype != torch.bfloat16 or w13.dtype != weight_dtype or w2.dtype != weight_dtype
-            or not native_format(scales)):
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype or not native_format(scales):
         raise ValueError(f"moe_experts takes bf16 rows and bf16, int8 per channel, int4 or "
                          f"MXFP4 group-wise or FP8 block-wise weights, got {w13.dtype}")
     if scales is not None and (
