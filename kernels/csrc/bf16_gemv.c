@@ -49,6 +49,21 @@ static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int
 static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
                  int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out_bf16,
                  int isa) {
+    if (isa == ISA_AVX2) {             /* three weight rows at a time against every x row */
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n += 3) {
+            int nr = N - n < 3 ? (int)(N - n) : 3;
+            float sums[3 * M];                   /* M <= MAX_GEMV_ROWS: 12 KiB of stack */
+            tiles_avx2(xf, ldx, M, w + n * ldw, ldw, nr, sums, 3, K);
+            for (int j = 0; j < nr; j++) {
+                float column[M];
+                for (int m = 0; m < M; m++)
+                    column[m] = sums[m * 3 + j];
+                store(y, ldy, n + j, column, M, out_bf16);
+            }
+        }
+        return;
+    }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float sums[M];                       /* M <= MAX_GEMV_ROWS: a few KiB of stack */

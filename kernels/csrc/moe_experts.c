@@ -113,6 +113,21 @@ static void pool_rows_dot(const uint16_t *x, const float *xf, const qrows_t *qx,
     }
 }
 
+/* pool_rows_dot for weight rows [n0, n1) of slot s, their sums at out[0 .. n1 - n0) of each
+ * x row (row stride ldy): bf16 pools on AVX2 as tiles of three weight rows against up to
+ * three x rows (tiles_avx2), the rest row by row */
+static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *qx,
+                            int64_t first, int64_t count, pool_t p, int64_t s, int64_t n0,
+                            int64_t n1, float *out, int64_t ldy, int64_t K, int isa) {
+    if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX2) {
+        tiles_avx2(xf + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
+                   n1 - n0, out, ldy, K);
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++)
+        pool_rows_dot(x, xf, qx, first, count, p, s, n, out + (n - n0), ldy, K, isa);
+}
+
 /* act [p, i0:i1] = act(gate_up[p, i] + gate bias, gate_up[p, I + i] + up bias), rounded to
  * bf16 once, as the down projection reads it, for the rows of one active slot */
 static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_t count,
@@ -194,12 +209,11 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
             int64_t a = j / gate_chunks, i0 = (j % gate_chunks) * CHUNK_ROWS;
             int64_t i1 = i0 + CHUNK_ROWS < I ? i0 + CHUNK_ROWS : I;
             float *gu = gate_up + starts[a] * n13;
-            for (int64_t n = i0; n < i1; n++)            /* gate rows, then the same up rows */
-                pool_rows_dot(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], n,
-                              gu + n, n13, H, isa);
-            for (int64_t n = I + i0; n < I + i1; n++)
-                pool_rows_dot(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], n,
-                              gu + n, n13, H, isa);
+            /* gate rows, then the same up rows */
+            pool_rows_block(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], i0, i1,
+                            gu + i0, n13, H, isa);
+            pool_rows_block(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], I + i0,
+                            I + i1, gu + I + i0, n13, H, isa);
             activate_rows(g, slots[a], starts[a], counts[a], i0, i1, I, gate_up, act, act_f);
             if (quantized)                   /* a chunk is whole blocks of QBLOCK values */
                 for (int64_t p = starts[a]; p < starts[a] + counts[a]; p++)
@@ -211,10 +225,10 @@ static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating
         for (int64_t j = 0; j < num_active * down_chunks; j++) {
             int64_t a = j / down_chunks, h0 = (j % down_chunks) * CHUNK_ROWS;
             int64_t h1 = h0 + CHUNK_ROWS < H ? h0 + CHUNK_ROWS : H;
+            pool_rows_block(act, act_f, &q2, starts[a], counts[a], p2, slots[a], h0, h1,
+                            down + starts[a] * H + h0, H, I, isa);
             for (int64_t h = h0; h < h1; h++) {
                 float *out = down + starts[a] * H + h;
-                pool_rows_dot(act, act_f, &q2, starts[a], counts[a], p2, slots[a], h, out, H,
-                              I, isa);
                 float bias = bias_at(g->b2, g->b2_stride, slots[a], h);
                 for (int64_t c = 0; c < counts[a]; c++)
                     out[c * H] = (out[c * H] + bias) * row_weights[starts[a] + c];

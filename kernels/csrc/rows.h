@@ -99,6 +99,84 @@ static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, f
     }
 }
 
+/* out[m * ldm + n] = x_m . w_n for MR x rows already widened to float32 (`xf`, row stride
+ * ldx, in `avx2_lane` order) and NR weight rows (bf16, row stride ldw), MR, NR <= 3: each
+ * widened weight vector meets MR rows and each x vector NR weight rows from registers, where
+ * one row at a time (row_avx2) loads x once per FMA and, at 8 or more rows, streams them from
+ * L2 for every weight row (the FMA units then sat two thirds idle). Small tiles keep two
+ * accumulators per output (low and high halves) so the FMA latency stays hidden. Inlined
+ * with constant MR, NR (tiles_avx2). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, int64_t ldw,
+                             float *out, int64_t ldm, int MR, int NR, int64_t K) {
+    const int chains = MR * NR <= 4 ? 2 : 1;
+    __m256 acc[3][3][2];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++)
+            acc[m][n][0] = acc[m][n][1] = _mm256_setzero_ps();
+    const __m256i zero = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x[3];
+        for (int n = 0; n < NR; n++)
+            _mm_prefetch((const char *)(w + n * ldw + k + PREFETCH_AHEAD), _MM_HINT_T0);
+        for (int m = 0; m < MR; m++)
+            x[m] = _mm256_loadu_ps(xf + m * ldx + k);
+        for (int n = 0; n < NR; n++) {
+            __m256i bits = _mm256_loadu_si256((const __m256i *)(w + n * ldw + k));
+            __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));  /* avx2_lane */
+            for (int m = 0; m < MR; m++)
+                acc[m][n][0] = _mm256_fmadd_ps(x[m], lo, acc[m][n][0]);
+        }
+        for (int m = 0; m < MR; m++)
+            x[m] = _mm256_loadu_ps(xf + m * ldx + k + 8);
+        for (int n = 0; n < NR; n++) {
+            __m256i bits = _mm256_loadu_si256((const __m256i *)(w + n * ldw + k));
+            __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
+            for (int m = 0; m < MR; m++)
+                acc[m][n][chains - 1] = _mm256_fmadd_ps(x[m], hi, acc[m][n][chains - 1]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++) {
+            __m256 total = chains == 2 ? _mm256_add_ps(acc[m][n][0], acc[m][n][1])
+                                       : acc[m][n][0];
+            float sum = sum8(total);
+            for (int64_t j = k; j < K; j++)
+                sum += xf[m * ldx + j] * bf16_to_f32(w[n * ldw + j]);
+            out[m * ldm + n] = sum;
+        }
+}
+
+/* out[m * ldm + n] = x_m . w_n for all M x rows (widened, as tile_avx2) and N weight rows:
+ * three weight rows at a time (read from memory once, then from L1 for every x row) */
+__attribute__((target("avx2,fma")))
+static void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
+                       int64_t N, float *out, int64_t ldm, int64_t K) {
+    for (int64_t n = 0; n < N; n += 3) {
+        int nr = N - n < 3 ? (int)(N - n) : 3;
+        for (int64_t m = 0; m < M;) {
+            /* (four rows left: two and two, not three and a lone one) */
+            int mr = M - m == 4 ? 2 : M - m < 3 ? (int)(M - m) : 3;
+            const float *xm = xf + m * ldx;
+            const uint16_t *wn = w + n * ldw;
+            float *o = out + m * ldm + n;
+            switch (mr * 4 + nr) {     /* constant tile shapes: fully unrolled, in registers */
+            case 5: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 1, K); break;
+            case 6: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 2, K); break;
+            case 7: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 3, K); break;
+            case 9: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 1, K); break;
+            case 10: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 2, K); break;
+            case 11: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 3, K); break;
+            case 13: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 1, K); break;
+            case 14: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 2, K); break;
+            default: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 3, K); break;
+            }
+            m += mr;
+        }
+    }
+}
+
 static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
                       int64_t ldy, int M, int64_t K) {
     for (int m = 0; m < M; m++) {

@@ -96,8 +96,10 @@ class MoEDecoder:
         does)."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         eps = self.spec.rms_norm_eps
+        # (every layer's attention has the same shapes and dtype: one answer for the batch)
+        native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
         for i, layer in enumerate(self.layers):
-            native_layer = self._native_layer(i, x, batch)
+            native_layer = self._native_layer(i) if native_block else None
             if native_layer is not None:           # CPU decode: the same steps in one call
                 x, h = attention_block(native_layer, i, x, self.rotary, batch)
             else:
@@ -115,13 +117,10 @@ class MoEDecoder:
         x = rms_norm(x, self.final_norm, eps)
         return linear(x, self.lm_head).float()
 
-    def _native_layer(self, i: int, x: torch.Tensor, batch: ForwardBatch
-                      ) -> AttentionLayer | None:
-        """Layer i's struct for the native attention block, where it serves this batch
-        (built on first use)."""
+    def _native_layer(self, i: int) -> AttentionLayer | None:
+        """Layer i's struct for the native attention block, or None where the layer has
+        what the block does not do (built on first use)."""
         layer = self.layers[i]
-        if self.spec.mla is not None or not takes_block(layer.attention, x, batch):
-            return None
         if i not in self._native_layers:
             self._native_layers[i] = native_layer(self.spec, layer.attention, i,
                                                   layer.input_norm, layer.post_attention_norm,

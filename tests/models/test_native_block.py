@@ -9,6 +9,7 @@ import torch
 
 import mox.models.decoder as decoder
 from mox.kernels import native
+from mox.models.attention import native_layer
 from mox.models.forward_batch import ForwardBatch
 from tests.conftest import open_tiny
 
@@ -82,8 +83,9 @@ def test_native_block_refuses_a_store_of_another_shape(hf_checkpoints):
     before it runs, with a clear error."""
     model = open_tiny(hf_checkpoints["mixtral"][0], torch.bfloat16)
     batch = _decode_batch(model, torch.Generator().manual_seed(5))
-    layer = model._native_layer(0, torch.zeros(3, model.spec.hidden_size,
-                                               dtype=torch.bfloat16), batch)
+    first = model.layers[0]
+    layer = native_layer(model.spec, first.attention, 0, first.input_norm,
+                         first.post_attention_norm, model.rotary)
     keys, values = batch.kv.rows(0)
     starts, lengths = batch.key_ranges
     with pytest.raises(ValueError, match="keys and values disagree"):
