@@ -35,14 +35,15 @@ int mox_vector_isa(void) {
     return ISA_PLAIN;
 }
 
-/* a row's M sums into y (float32, or bf16 rounded to nearest even) at column n */
-static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int M,
+/* a row's M sums (sums[m * lds]) into y (float32, or bf16 rounded to nearest even) at
+ * column n */
+static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int64_t lds, int M,
                          int out_bf16) {
     for (int m = 0; m < M; m++) {
         if (out_bf16)
-            ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(sums[m]);
+            ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(sums[m * lds]);
         else
-            ((float *)y)[m * ldy + n] = sums[m];
+            ((float *)y)[m * ldy + n] = sums[m * lds];
     }
 }
 
@@ -55,20 +56,16 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
             int nr = N - n < 3 ? (int)(N - n) : 3;
             float sums[3 * M];                   /* M <= MAX_GEMV_ROWS: 12 KiB of stack */
             tiles_avx2(xf, ldx, M, w + n * ldw, ldw, nr, sums, 3, K);
-            for (int j = 0; j < nr; j++) {
-                float column[M];
-                for (int m = 0; m < M; m++)
-                    column[m] = sums[m * 3 + j];
-                store(y, ldy, n + j, column, M, out_bf16);
-            }
+            for (int j = 0; j < nr; j++)
+                store(y, ldy, n + j, sums + j, 3, M, out_bf16);
         }
         return;
     }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float sums[M];                       /* M <= MAX_GEMV_ROWS: a few KiB of stack */
-        rows_dot(x, xf, ldx, M, w + n * ldw, sums, 1, K, isa);
-        store(y, ldy, n, sums, M, out_bf16);
+        rows_dot(x, ldx, M, w + n * ldw, sums, 1, K, isa);
+        store(y, ldy, n, sums, 1, M, out_bf16);
     }
 }
 

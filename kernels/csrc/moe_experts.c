@@ -74,15 +74,15 @@ static inline float activate(const gating_t *g, float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
 }
 
-/* row n of slot s against `count` x rows from row `first`: bf16 `x` (and its float32 copy
- * `xf` on AVX2) for bf16 pools, the quantized `qx` for quantized ones; `isa`: the path (any
- * but ISA_PLAIN: the quantized pools' VNNI loops) */
-static void pool_rows_dot(const uint16_t *x, const float *xf, const qrows_t *qx, int64_t first,
-                          int64_t count, pool_t p, int64_t s, int64_t n, float *out,
-                          int64_t ldy, int64_t K, int isa) {
+/* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools (AVX2:
+ * pool_rows_block's tiles), the quantized `qx` for quantized ones; `isa`: the path (any but
+ * ISA_PLAIN: the quantized pools' VNNI loops) */
+static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
+                          pool_t p, int64_t s, int64_t n, float *out, int64_t ldy, int64_t K,
+                          int isa) {
     if (p.kind == WEIGHTS_BF16) {
-        rows_dot(x + first * K, xf ? xf + first * K : NULL, K, count,
-                 (const uint16_t *)p.w + s * p.stride + n * K, out, ldy, K, isa);
+        rows_dot(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n * K, out,
+                 ldy, K, isa);
         return;
     }
     int fast = isa != ISA_PLAIN;
@@ -125,7 +125,7 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
         return;
     }
     for (int64_t n = n0; n < n1; n++)
-        pool_rows_dot(x, xf, qx, first, count, p, s, n, out + (n - n0), ldy, K, isa);
+        pool_rows_dot(x, qx, first, count, p, s, n, out + (n - n0), ldy, K, isa);
 }
 
 /* act [p, i0:i1] = act(gate_up[p, i] + gate bias, gate_up[p, I + i] + up bias), rounded to

@@ -1,5 +1,6 @@
-/* One weight row (bf16) against a few x rows: the inner loops of the decode GEMVs
- * (bf16_gemv.c) and of the MoE experts over bf16 slot pools (moe_experts.c). */
+/* bf16 weight rows against a few x rows: the inner loops of the decode GEMVs (bf16_gemv.c)
+ * and of the MoE experts over bf16 slot pools (moe_experts.c); one weight row at a time with
+ * AVX512-BF16 or in plain C, tiles of three weight rows with AVX2. */
 #ifndef MOX_ROWS_H
 #define MOX_ROWS_H
 
@@ -10,8 +11,7 @@
 #include "bf16.h"
 
 #define MAX_ROWS 8
-#define PREFETCH_AHEAD 4096     /* AVX2 rows: prefetch 8 KiB of weights ahead (see row_avx2) */
-#define AVX2_ROWS 4            /* x rows per pass on AVX2: 8 accumulators of its 16 registers */
+#define PREFETCH_AHEAD 4096     /* AVX2 tiles: prefetch 8 KiB of weights ahead (see tile_avx2) */
 
 /* one weight row against M x rows; K a multiple of 32 */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
@@ -67,45 +67,17 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-/* one weight row against M <= AVX2_ROWS x rows already widened to float32 (`xf`, row stride
- * ldx, in `avx2_lane` order): AVX2 has no bf16 dot product, so the weights are widened in
- * registers and met by FMAs; the activations are widened once per call, not once per weight
- * row. A software prefetch 8 KiB ahead keeps reads in flight across the short runs the MoE
- * kernel streams (64-row chunks): 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM, five
- * alternated A/B pairs; prefetches past the end of a pool do not fault. */
-__attribute__((target("avx2,fma")))
-static inline void row_avx2(const float *xf, int64_t ldx, const uint16_t *row, float *out,
-                            int64_t ldy, int M, int64_t K) {
-    __m256 acc[AVX2_ROWS][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    int64_t k = 0;
-    const __m256i zero = _mm256_setzero_si256();
-    for (; k + 16 <= K; k += 16) {          /* two independent chains per x row */
-        _mm_prefetch((const char *)(row + k + PREFETCH_AHEAD), _MM_HINT_T0);
-        __m256i bits = _mm256_loadu_si256((const __m256i *)(row + k));
-        __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));   /* avx2_lane */
-        __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
-        for (int m = 0; m < M; m++) {
-            const float *xm = xf + m * ldx + k;
-            acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), w0, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        float sum = sum8(_mm256_add_ps(acc[m][0], acc[m][1]));
-        for (int64_t j = k; j < K; j++)
-            sum += xf[m * ldx + j] * bf16_to_f32(row[j]);
-        out[m * ldy] = sum;
-    }
-}
-
 /* out[m * ldm + n] = x_m . w_n for MR x rows already widened to float32 (`xf`, row stride
- * ldx, in `avx2_lane` order) and NR weight rows (bf16, row stride ldw), MR, NR <= 3: each
- * widened weight vector meets MR rows and each x vector NR weight rows from registers, where
- * one row at a time (row_avx2) loads x once per FMA and, at 8 or more rows, streams them from
- * L2 for every weight row (the FMA units then sat two thirds idle). Small tiles keep two
- * accumulators per output (low and high halves) so the FMA latency stays hidden. Inlined
- * with constant MR, NR (tiles_avx2). */
+ * ldx, in `avx2_lane` order) and NR weight rows (bf16, row stride ldw), MR, NR <= 3. AVX2 has
+ * no bf16 dot product, so the weights are widened in registers and met by FMAs; the
+ * activations are widened once per call, not once per weight row. Each widened weight vector
+ * meets MR rows and each x vector NR weight rows from registers: one weight row at a time
+ * loaded x once per FMA and, from 8 rows on, streamed x from L2 for every weight row (the FMA
+ * units two thirds idle; tiles: 1.3-1.7x at 2-32 rows). Small tiles keep two accumulators per
+ * output (low and high halves) so the FMA latency stays hidden. A software prefetch 8 KiB
+ * ahead keeps reads in flight across the short runs the MoE kernel streams (64-row chunks):
+ * 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM; prefetches past the end of a pool do not
+ * fault. Inlined with constant MR, NR (tiles_avx2). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, int64_t ldw,
                              float *out, int64_t ldm, int MR, int NR, int64_t K) {
@@ -151,7 +123,7 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
 /* out[m * ldm + n] = x_m . w_n for all M x rows (widened, as tile_avx2) and N weight rows:
  * three weight rows at a time (read from memory once, then from L1 for every x row) */
 __attribute__((target("avx2,fma")))
-static void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
+static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
                        int64_t N, float *out, int64_t ldm, int64_t K) {
     for (int64_t n = 0; n < N; n += 3) {
         int nr = N - n < 3 ? (int)(N - n) : 3;
@@ -188,17 +160,13 @@ static void row_plain(const uint16_t *x, int64_t ldx, const uint16_t *row, float
 }
 
 /* one weight row against `count` x rows (any count, a few at a time: the row stays in L1) on
- * the path `isa` names: bf16 `x` for AVX512-BF16 and plain C, its float32 copy `xf` (the same
- * row stride) for AVX2 */
-static inline void rows_dot(const uint16_t *x, const float *xf, int64_t ldx, int64_t count,
-                            const uint16_t *row, float *out, int64_t ldy, int64_t K, int isa) {
-    int step = isa == ISA_AVX2 ? AVX2_ROWS : MAX_ROWS;
-    for (int64_t c = 0; c < count; c += step) {
-        int m = count - c < step ? (int)(count - c) : step;
+ * the path `isa` names, AVX512-BF16 or plain C (AVX2 computes whole tiles: tiles_avx2) */
+static inline void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const uint16_t *row,
+                            float *out, int64_t ldy, int64_t K, int isa) {
+    for (int64_t c = 0; c < count; c += MAX_ROWS) {
+        int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
         if (isa == ISA_AVX512BF16)
             row_avx512(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
-        else if (isa == ISA_AVX2)
-            row_avx2(xf + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
         else
             row_plain(x + c * ldx, ldx, row, out + c * ldy, ldy, m, K);
     }
