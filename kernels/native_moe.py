@@ -5,6 +5,7 @@ formats it reads, the layout checks that keep the C code in bounds, and the gati
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -23,8 +24,9 @@ def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   row_weights: torch.Tensor, checked: list) -> None:
     """What `moe_experts` hands the C code must be laid out as it reads it: a mismatch would
     read or write out of bounds, so it raises here. `checked`: the pools last found good, as
-    [(w13, w2, scales, hidden)]: a decode step hands the same pools to every call, so they
-    are checked once (the rows and scratch every time)."""
+    [(w13, w2, scales, hidden)] (weak references: the cache keeps no pool alive): a decode
+    step hands the same pools to every call, so they are checked once (the rows and scratch
+    every time)."""
     (num_rows, hidden), inter = rows.shape, w13.shape[1] // 2
     if [t.dtype for t in scratch] != [torch.float32, torch.bfloat16, torch.float32] or (
             row_weights.numel() != num_rows or rows.dtype != torch.bfloat16):
@@ -36,11 +38,13 @@ def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if [t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
                                        (num_rows, hidden)]:
         raise ValueError("moe_experts' scratch and pools disagree with its rows")
+    pools = (w13, w2, scales)
     last = checked[0] if checked else None
-    if last is None or any(a is not b for a, b in zip(last[:3], (w13, w2, scales))) or (
-            last[3] != hidden):
+    if last is None or last[3] != hidden or any(
+            (ref is None and pool is not None) or (ref is not None and ref() is not pool)
+            for ref, pool in zip(last[:3], pools)):
         _check_pools(w13, w2, scales, hidden, inter)
-        checked[:] = [(w13, w2, scales, hidden)]
+        checked[:] = [(*(None if t is None else weakref.ref(t) for t in pools), hidden)]
 
 
 def _check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
