@@ -54,15 +54,15 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
                              const int64_t *lengths, uint16_t *x_out, uint16_t *h_out) {
     int64_t H = L->hidden, d = L->head_dim, qw = L->heads * d, kw = L->kv_heads * d;
     int64_t width = qw + 2 * kw;
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(T * H));
-    uint16_t *qkv = malloc(sizeof(uint16_t) * (size_t)(T * width));
-    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(T * (qw + kw)));
-    uint16_t *attended = malloc(sizeof(uint16_t) * (size_t)(T * qw));
-    uint16_t *projected = malloc(sizeof(uint16_t) * (size_t)(T * H));
-    float *scores = malloc(sizeof(float) * (size_t)(T * qw));
-    int status = -2;
-    if (!h || !qkv || !normed || !attended || !projected || !scores)
-        goto done;
+    /* the intermediates in one allocation: the float scores first (aligned), then the bf16
+     * rows h, qkv, normed q/k, the attended rows and their projection */
+    float *scores = malloc(sizeof(float) * (size_t)(T * qw)
+                           + sizeof(uint16_t) * (size_t)(T * (2 * H + width + 2 * qw + kw)));
+    if (!scores)
+        return -2;
+    uint16_t *h = (uint16_t *)(scores + T * qw), *qkv = h + T * H, *normed = qkv + T * width;
+    uint16_t *attended = normed + T * (qw + kw), *projected = attended + T * qw;
+    int status;
     if ((status = mox_rms_norm_bf16(x, H, L->input_norm, h, H, T, H, L->eps)) != 0
         || (status = mox_gemv_bf16(h, H, L->qkv, H, qkv, width, T, width, H, 1, 1)) != 0)
         goto done;
@@ -100,11 +100,6 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
     add_rows(x, H, projected, H, T, H, x_out, H);                  /* the residual */
     status = mox_rms_norm_bf16(x_out, H, L->post_norm, h_out, H, T, H, L->eps);
 done:
-    free(h);
-    free(qkv);
-    free(normed);
-    free(attended);
-    free(projected);
     free(scores);
     return status;
 }
