@@ -97,7 +97,7 @@ class NativeKernels:
         block = self._lib.mox_attention_block_bf16
         block.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
                           + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-                          + [ctypes.c_void_p] * 6)
+                          + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4)
         block.restype = ctypes.c_int
         self._block = block
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
@@ -269,15 +269,15 @@ class NativeKernels:
         status = self._block(ctypes.addressof(layer.struct), x.data_ptr(), x.shape[0],
                              cos.data_ptr(), sin.data_ptr(), cos.stride(0), keys.data_ptr(),
                              values.data_ptr(), keys.shape[0], slot_mapping.data_ptr(),
-                             kv_slots.data_ptr(), starts.data_ptr(), lengths.data_ptr(),
-                             x_out.data_ptr(),
-                             h_out.data_ptr())
+                             kv_slots.data_ptr(), kv_slots.shape[0], starts.data_ptr(),
+                             lengths.data_ptr(), x_out.data_ptr(), h_out.data_ptr())
         if status == -2:
             raise MemoryError("attention_block could not allocate its intermediates")
         if status != 0:
             raise ValueError(f"attention_block refused T={x.shape[0]} (a slot outside the "
-                             f"store's {keys.shape[0]}, a key run of no keys, or the rotary "
-                             f"dim {layer.rotary_dim})")
+                             f"store's {keys.shape[0]}, a key run empty or outside the "
+                             f"{kv_slots.shape[0]} keys, or the rotary dim "
+                             f"{layer.struct.rotary_dim})")
         return x_out, h_out
 
 

@@ -26,14 +26,11 @@ class _Layer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class AttentionLayer:
-    """A layer's struct and the tensors it points into (kept alive with it)."""
+    """A layer's struct (its shapes too: `struct.hidden`, ...) and the tensors it points into
+    (kept alive with it)."""
 
     struct: _Layer
     tensors: tuple[torch.Tensor, ...]
-    hidden: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
 
 
 def attention_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: torch.Tensor,
@@ -68,24 +65,24 @@ def attention_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: torc
                     pointer(q_norm), pointer(k_norm), pointer(o), pointer(o_bias), hidden,
                     heads, kv_heads, head_dim, rotary_dim, window or 0, QK_NORM_KINDS[qk_norm],
                     int(interleaved), eps, scale)
-    return AttentionLayer(struct, tuple(t for t, _ in shapes if t is not None), hidden,
-                          kv_heads, head_dim, rotary_dim)
+    return AttentionLayer(struct, tuple(t for t, _ in shapes if t is not None))
 
 
 def check_step(layer: AttentionLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                keys: torch.Tensor, values: torch.Tensor, indices: list[torch.Tensor]) -> None:
     """The step's tensors must be as the C code reads them: a mismatch would read or write
-    out of bounds, so it raises here. `indices`: slot_mapping, starts, lengths `[T]` and the
-    keys' slots."""
-    num_tokens = x.shape[0]
-    store = (layer.kv_heads, layer.head_dim)
-    if (x.dim() != 2 or x.shape[1] != layer.hidden or x.dtype != torch.bfloat16
+    out of bounds, so it raises here (the values of the index tensors, slots in the store and
+    key runs in `kv_slots`, the C code checks itself). `indices`: slot_mapping, starts,
+    lengths `[T]` and the keys' slots."""
+    num_tokens, shape = x.shape[0], layer.struct
+    store = (shape.kv_heads, shape.head_dim)
+    if (x.dim() != 2 or x.shape[1] != shape.hidden or x.dtype != torch.bfloat16
             or not x.is_contiguous() or keys.shape[1:] != store or values.shape != keys.shape
             or keys.dtype != torch.bfloat16 or values.dtype != torch.bfloat16
             or not keys.is_contiguous() or not values.is_contiguous()):
         raise ValueError("attention_block's rows, keys and values disagree with its layer")
     for table in (cos, sin):
-        if (table.dtype != torch.float32 or table.shape != (num_tokens, layer.rotary_dim)
+        if (table.dtype != torch.float32 or table.shape != (num_tokens, shape.rotary_dim)
                 or not table.is_contiguous()):
             raise ValueError("attention_block takes float32 cos, sin [T, rotary_dim]")
     if any(t.dtype != torch.int64 or not t.is_contiguous() or t.dim() != 1 for t in indices) or any(

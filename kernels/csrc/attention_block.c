@@ -45,13 +45,20 @@ static void add_rows(const uint16_t *y, int64_t ld, const uint16_t *b, int64_t b
 /* x, x_out, h_out [T, H] bf16 (contiguous; x_out may be x); cos, sin [T, ldc] float32 (the
  * first rotary_dim of each row used); the layer's store keys, values [store_rows, h_kv, d];
  * slot_mapping [T]: where each new token's k, v go; token t attends to the slots
- * kv_slots[starts[t] .. starts[t] + lengths[t]). Returns 0, -1 for arguments a step refused,
- * -2 out of memory. */
+ * kv_slots[starts[t] .. starts[t] + lengths[t]) of the num_keys given. Returns 0, -1 for
+ * arguments a step refused (a key run or slot out of bounds among them: checked before any
+ * step runs), -2 out of memory. */
 int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int64_t T,
                              const float *cos, const float *sin, int64_t ldc, uint16_t *keys,
                              uint16_t *values, int64_t store_rows, const int64_t *slot_mapping,
-                             const int64_t *kv_slots, const int64_t *starts,
+                             const int64_t *kv_slots, int64_t num_keys, const int64_t *starts,
                              const int64_t *lengths, uint16_t *x_out, uint16_t *h_out) {
+    for (int64_t t = 0; t < T; t++)
+        if (starts[t] < 0 || lengths[t] < 1 || starts[t] + lengths[t] > num_keys)
+            return -1;
+    for (int64_t j = 0; j < num_keys; j++)
+        if (kv_slots[j] < 0 || kv_slots[j] >= store_rows)
+            return -1;
     int64_t H = L->hidden, d = L->head_dim, qw = L->heads * d, kw = L->kv_heads * d;
     int64_t width = qw + 2 * kw;
     /* the intermediates in one allocation: the float scores first (aligned), then the bf16

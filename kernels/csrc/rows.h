@@ -125,8 +125,8 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
  * at a time for a single x row, which gains nothing from tiles and streams memory best in
  * one line (three rows at once: 0.9-1.0x at one x row) */
 __attribute__((target("avx2,fma")))
-static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w, int64_t ldw,
-                       int64_t N, float *out, int64_t ldm, int64_t K) {
+static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w,
+                              int64_t ldw, int64_t N, float *out, int64_t ldm, int64_t K) {
     int64_t step = M == 1 ? 1 : 3;
     for (int64_t n = 0; n < N; n += step) {
         int nr = N - n < step ? (int)(N - n) : (int)step;

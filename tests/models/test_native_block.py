@@ -93,3 +93,25 @@ def test_native_block_refuses_a_store_of_another_shape(hf_checkpoints):
             layer, torch.zeros(3, model.spec.hidden_size, dtype=torch.bfloat16),
             batch.rotary_tables(model.rotary), keys[:, :, :4].contiguous(),
             values[:, :, :4].contiguous(), batch.slot_mapping, batch.kv_slots, starts, lengths)
+
+
+def test_native_block_refuses_key_runs_and_slots_out_of_bounds(hf_checkpoints):
+    """The index tensors' values are checked in C before any step runs: a key run past the
+    batch's keys, or a key slot past the store, is refused and the store is left as it was."""
+    model = open_tiny(hf_checkpoints["mixtral"][0], torch.bfloat16)
+    batch = _decode_batch(model, torch.Generator().manual_seed(6))
+    first = model.layers[0]
+    layer = native_layer(model.spec, first.attention, 0, first.input_norm,
+                         first.post_attention_norm, model.rotary)
+    keys, values = batch.kv.rows(0)
+    before = keys.clone()
+    starts, lengths = batch.key_ranges
+    x = torch.zeros(3, model.spec.hidden_size, dtype=torch.bfloat16)
+    tables = batch.rotary_tables(model.rotary)
+    bad_slots = batch.kv_slots.clone()
+    bad_slots[-1] = keys.shape[0]
+    for kv_slots, runs in ((batch.kv_slots, (starts, lengths + 1)), (bad_slots, (starts, lengths))):
+        with pytest.raises(ValueError, match="outside"):
+            native.kernels().attention_block(layer, x, tables, keys, values, batch.slot_mapping,
+                                             kv_slots, *runs)
+    assert torch.equal(keys.view(torch.int16), before.view(torch.int16))   # (bits: NaN != NaN)
