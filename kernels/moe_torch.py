@@ -222,12 +222,14 @@ def _native_one_token(x: torch.Tensor, experts: _Experts, weights: torch.Tensor,
                       slots: list[int], ws: MoEWorkspace) -> torch.Tensor:
     """Decode of one sequence in one native call: its row once per resident expert;
     `[1, H]` float32."""
-    resident = [j for j, slot in enumerate(slots) if slot != NOT_RESIDENT]
+    # (summed in slot order, as the rows of several tokens are and csrc/moe_block.c sums)
+    resident = sorted((j for j, slot in enumerate(slots) if slot != NOT_RESIDENT),
+                      key=slots.__getitem__)
     if not resident:
         return torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
     rows = ws.get("rows", len(resident), x.shape[1], x.dtype, x.device)
     rows.copy_(x.expand(len(resident), x.shape[1]))
-    if len(resident) < len(slots):
+    if resident != list(range(len(slots))):
         weights = weights[resident]
     down = _native_experts(rows, experts, [(slots[j], 1) for j in resident], weights, ws)
     return down.sum(0, keepdim=True)

@@ -32,10 +32,15 @@ from .native_moe import (
     C_KINDS,
     K_MULTIPLE,
     QUANT_BLOCK,
+    SCORINGS,
     SILU_GATE,
+    MoELayer,
+    PoolStruct,
     check_experts,
+    check_pools,
     gating,
     native_format,
+    pool_structs,
 )
 from .quant import FP8, ExpertScales
 
@@ -100,6 +105,16 @@ class NativeKernels:
                           + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4)
         block.restype = ctypes.c_int
         self._block = block
+        moe_block = self._lib.mox_moe_block_bf16
+        moe_block.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int64, PoolStruct, PoolStruct] + [ctypes.c_void_p] * 5)
+        moe_block.restype = ctypes.c_int
+        self._moe_block = moe_block
+        route = self._lib.mox_route_bf16
+        route.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+                          + [ctypes.c_float] + [ctypes.c_void_p] * 2)
+        route.restype = ctypes.c_int
+        self._route = route
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
         # float32 in registers); FP8 experts need the former, integer ones VNNI
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
@@ -180,6 +195,63 @@ class NativeKernels:
         if status != 0:
             raise ValueError(f"moe_experts refused H={hidden} I={inter} fast={fast}")
         return down
+
+    def moe_block(self, layer: MoELayer, h: torch.Tensor, slot_of: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+                  activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A decode MoE layer's routed experts (csrc/moe_block.c) for bf16 rows `h [T, H]`:
+        the router's top-k weights `[T, k]` float32 and ids `[T, k]` int32, and, where every
+        routed expert is resident (in `slot_of [E]` int32, among the pools' slots),
+        `residual + experts(h)` `[T, H]` (the experts alone without `residual`), else None.
+        Pools, scales, biases and `activation` as `moe_experts` takes them (callers check
+        `takes_experts`)."""
+        shape = layer.struct
+        num_tokens, hidden, inter = h.shape[0], shape.hidden, shape.inter
+        if (h.dim() != 2 or h.shape[1] != hidden or h.dtype != torch.bfloat16
+                or not h.is_contiguous() or not 1 <= num_tokens <= GEMV_MAX_ROWS):
+            raise ValueError(f"moe_block takes 1 to {GEMV_MAX_ROWS} contiguous bf16 rows of "
+                             f"{hidden}")
+        if (slot_of.dtype != torch.int32 or slot_of.shape != (shape.experts,)
+                or not slot_of.is_contiguous()):
+            raise ValueError(f"moe_block takes a contiguous int32 slot map of {shape.experts}")
+        if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype
+                                     or not residual.is_contiguous()):
+            raise ValueError("moe_block's residual must be laid out as its rows")
+        check_pools(w13, w2, scales, hidden, inter, self._pools_checked)
+        gates = gating(activation, b13, b2, w13.shape[0], hidden, inter)
+        weights = torch.empty(num_tokens, shape.top_k, dtype=torch.float32)
+        ids = torch.empty(num_tokens, shape.top_k, dtype=torch.int32)
+        x_out = torch.empty_like(h)
+        status = self._moe_block(ctypes.addressof(shape), h.data_ptr(), num_tokens,
+                                 slot_of.data_ptr(), w13.shape[0], *pool_structs(w13, w2, scales),
+                                 gates, weights.data_ptr(), ids.data_ptr(),
+                                 None if residual is None else residual.data_ptr(),
+                                 x_out.data_ptr())
+        if status == -2:
+            raise MemoryError("moe_block could not allocate its intermediates")
+        if status < 0:
+            raise ValueError(f"moe_block refused T={num_tokens} H={hidden} I={inter}")
+        return weights, ids, (x_out if status == 0 else None)
+
+    def route(self, logits: torch.Tensor, k: int, scoring: str, renormalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits `[T, E]` bf16 -> top-k weights `[T, k]` float32 and ids `[T, k]`
+        int32, as `scoring` (a key of native_moe.SCORINGS) says: the routing `moe_block` does,
+        for the layers that page in waves."""
+        if (logits.dim() != 2 or logits.dtype != torch.bfloat16 or not logits.is_contiguous()
+                or scoring not in SCORINGS or not 0 < k <= logits.shape[1]):
+            raise ValueError(f"route takes contiguous bf16 logits [T, E] and k <= E, got "
+                             f"{tuple(logits.shape)} {logits.dtype}, k={k}, {scoring!r}")
+        weights = torch.empty(logits.shape[0], k, dtype=torch.float32)
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int32)
+        status = self._route(logits.data_ptr(), logits.shape[0], logits.shape[1], k,
+                             SCORINGS[scoring], int(renormalize), scaling, weights.data_ptr(),
+                             ids.data_ptr())
+        if status != 0:
+            raise MemoryError("route could not allocate its scores")
+        return weights, ids
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
@@ -350,6 +422,13 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_fast() and x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
             and x.dim() == 2 and x.stride(1) == 1 and weight.dim() == 1
             and weight.stride(0) == 1 and weight.shape[0] == x.shape[1])
+
+
+def takes_routing(logits: torch.Tensor) -> bool:
+    """Whether `route` serves these router logits here (plain C: any CPU the library builds
+    on)."""
+    return (_available() is not None and logits.device.type == "cpu"
+            and logits.dtype == torch.bfloat16 and logits.dim() == 2)
 
 
 def takes_attention(q: torch.Tensor, kv) -> bool:

@@ -1,11 +1,12 @@
-"""How a MoE layer's slot pools are handed to the native kernel (csrc/moe_experts.c): the
-formats it reads, the layout checks that keep the C code in bounds, and the gating struct
-(biases, activation)."""
+"""How a MoE layer is handed to the native kernels: its slot pools to csrc/moe_experts.c (the
+formats it reads, the layout checks that keep the C code in bounds, the pool and gating
+structs) and its router to csrc/moe_block.c (a struct built once per layer)."""
 
 from __future__ import annotations
 
 import ctypes
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,9 @@ QUANT_BLOCK = 64        # quantized experts: activations share one int8 scale pe
 MXFP4_GROUP = 32        # MXFP4's scales: one per 32 values (the kernel takes no other)
 C_KINDS = {INT8: 1, INT4: 2, MXFP4: 3, FP8: 4}      # moe_experts.c's weight kinds
 SILU_GATE = Activation(SILU)
+# moe_block.c's routings: softmax over every expert then the top k (Mixtral, Qwen, OLMoE), or
+# the top k logits then their softmax (GPT-OSS)
+SCORINGS = {"softmax_topk": 0, "topk_softmax": 1}
 
 
 def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -38,6 +42,12 @@ def check_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if [t.shape for t in scratch] != [(num_rows, 2 * inter), (num_rows, inter),
                                        (num_rows, hidden)]:
         raise ValueError("moe_experts' scratch and pools disagree with its rows")
+    check_pools(w13, w2, scales, hidden, inter, checked)
+
+
+def check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
+                hidden: int, inter: int, checked: list) -> None:
+    """The pools' part of `check_experts`, with its cache."""
     pools = (w13, w2, scales)
     last = checked[0] if checked else None
     if last is None or last[3] != hidden or any(
@@ -110,3 +120,60 @@ def native_format(scales: ExpertScales | None) -> bool:
         or (fmt.kind == INT4 and fmt.block_cols > 0
             and (fmt.block_cols % QUANT_BLOCK == 0 or fmt.block_cols == 32))
         or (fmt.kind == MXFP4 and fmt.block_cols == MXFP4_GROUP))
+
+
+class PoolStruct(ctypes.Structure):
+    """moe_pools.h's pool_t: one part's slots (w13 or w2) and their scales."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("stride", ctypes.c_int64), ("kind", ctypes.c_int),
+                ("scale", ctypes.c_void_p), ("scale_stride", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("block_rows", ctypes.c_int64),
+                ("part_rows", ctypes.c_int64)]
+
+
+def pool_structs(w13: torch.Tensor, w2: torch.Tensor,
+                 scales: ExpertScales | None) -> tuple[PoolStruct, PoolStruct]:
+    """w13's and w2's pool_t (the caller checks the pools with `check_pools`)."""
+    if scales is None:
+        return (PoolStruct(w13.data_ptr(), w13.stride(0), 0, None, 0, 0, 1, 1),
+                PoolStruct(w2.data_ptr(), w2.stride(0), 0, None, 0, 0, 1, 1))
+    fmt, kind = scales.fmt, C_KINDS[scales.fmt.kind]
+    inter, hidden = w13.shape[1] // 2, w2.shape[1]
+    return tuple(PoolStruct(w.data_ptr(), w.stride(0), kind, s.data_ptr(), s.stride(0),
+                       fmt.block_cols, fmt.block_rows, rows)
+                 for w, s, rows in ((w13, scales.w13, inter), (w2, scales.w2, hidden)))
+
+
+class MoELayerStruct(ctypes.Structure):
+    """moe_block.c's moe_layer_t."""
+
+    _fields_ = [("router", ctypes.c_void_p), ("router_bias", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("hidden", "inter", "experts", "top_k")] + [
+        ("scoring", ctypes.c_int), ("renormalize", ctypes.c_int), ("scaling", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """A MoE layer's router struct (its shapes too: `struct.hidden`, ...) and the tensors it
+    points into (kept alive with it)."""
+
+    struct: MoELayerStruct
+    tensors: tuple[torch.Tensor, ...]
+
+
+def moe_layer(router: torch.Tensor, router_bias: torch.Tensor | None, inter: int, top_k: int,
+              scoring: str, renormalize: bool, scaling: float) -> MoELayer:
+    """The struct for one layer's router `[E, H]` (and bias `[E]`), bf16 and contiguous,
+    routing as `scoring` (a key of SCORINGS) says."""
+    num_experts, hidden = router.shape
+    for tensor, shape in ((router, (num_experts, hidden)), (router_bias, (num_experts,))):
+        if tensor is not None and (tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != shape
+                                   or not tensor.is_contiguous() or tensor.device.type != "cpu"):
+            raise ValueError(f"moe_block takes a contiguous bf16 CPU router, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype} where {shape} was expected")
+    if not 0 < top_k <= num_experts or scoring not in SCORINGS:
+        raise ValueError(f"moe_block: top {top_k} of {num_experts} experts by {scoring!r}")
+    bias = None if router_bias is None else router_bias.data_ptr()
+    struct = MoELayerStruct(router.data_ptr(), bias, hidden, inter, num_experts, top_k,
+                            SCORINGS[scoring], int(renormalize), scaling)
+    return MoELayer(struct, tuple(t for t in (router, router_bias) if t is not None))

@@ -16,13 +16,22 @@ SIGMOID_RENORM_EPS = 1e-20
 EXPERTS_PER_GROUP_SCORE = 2
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row, largest first, and their ids. Ties go to the lower
+    expert id: bf16 router logits tie often (8 bits of mantissa), and torch.topk breaks ties
+    by its selection algorithm, which the native decode block (csrc/moe_block.c) could not
+    reproduce; one rule keeps both paths choosing the same experts."""
+    values, ids = scores.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
 def softmax_topk(logits: torch.Tensor, k: int,
                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral / Qwen-MoE / OLMoE routing: softmax over all E, keep the k largest, optionally
     rescale them to sum to 1. Returns weights `[T, k]` float32 and ids `[T, k]` int32."""
     assert logits.dim() == 2 and 0 < k <= logits.shape[1], (logits.shape, k)
     probs = torch.softmax(logits.float(), dim=-1)           # [T, E]
-    weights, ids = torch.topk(probs, k, dim=-1)             # [T, k]
+    weights, ids = top_k(probs, k)                          # [T, k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -81,6 +90,6 @@ def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """GPT-OSS routing: the k largest logits (router bias already added), then a softmax
     over just those k, so the weights always sum to 1."""
     assert logits.dim() == 2 and 0 < k <= logits.shape[1], (logits.shape, k)
-    top_logits, ids = torch.topk(logits.float(), k, dim=-1)                  # [T, k]
+    top_logits, ids = top_k(logits.float(), k)                               # [T, k]
     weights = torch.softmax(top_logits, dim=-1)                              # [T, k]
     return weights, ids.to(torch.int32)

@@ -62,12 +62,13 @@ RANDOMIZED_SCALE = 0.1
 
 
 def make_hf_checkpoint(path: str, case: str, max_shard_size: str | None = None,
-                       seed: int = 0):
-    """Save a random-weight transformers model of `case` to `path`; returns the model."""
+                       seed: int = 0, **config: object):
+    """Save a random-weight transformers model of `case` to `path` (`config`: more
+    overrides); returns the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = CASES[case]
-    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides, **config})
     config.eos_token_id = None
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()

@@ -20,6 +20,7 @@
 #include "bf16.h"
 #include "rows.h"
 #include "quant_rows.h"
+#include "exported.h"
 
 #define CHUNK_ROWS 64          /* weight rows a thread claims at a time: whole QBLOCKs */
 
@@ -28,20 +29,6 @@ int mox_has_avx512vnni(void) {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
 
-/* A slot pool as the MoE kernel reads it: slot s's rows [N, K] at w + s * stride elements
- * (bytes for quantized pools); scales at scale + s * scale_stride, one per `block_rows` rows
- * of each part of `part_rows` (w13: gate's, then up's) and `group` inputs (0: the row). */
-typedef struct {
-    const void *w;
-    int64_t stride;
-    int kind;
-    const float *scale;
-    int64_t scale_stride;
-    int64_t group;
-    int64_t block_rows;
-    int64_t part_rows;
-} pool_t;
-
 /* the scales of row n: its part's block of rows */
 static inline const float *row_scales(pool_t p, int64_t s, int64_t n, int64_t K) {
     int64_t per_row = p.group ? K / p.group : 1;
@@ -49,18 +36,6 @@ static inline const float *row_scales(pool_t p, int64_t s, int64_t n, int64_t K)
     int64_t block = (n / p.part_rows) * blocks + (n % p.part_rows) / p.block_rows;
     return p.scale + s * p.scale_stride + block * per_row;
 }
-
-/* What sits between and after an expert's two GEMMs beyond SiLU: per-slot bf16 biases (added
- * before the activation and before the routing weight) and GPT-OSS's clamped SwiGLU, as
- * mox/kernels/activation.py defines it. NULL: SiLU, no biases. */
-typedef struct {
-    const uint16_t *b13;          /* [S, 2I] at b13 + s * b13_stride, or NULL */
-    int64_t b13_stride;
-    const uint16_t *b2;           /* [S, H], or NULL */
-    int64_t b2_stride;
-    int clamped;                  /* 1: clamped SwiGLU (alpha, limit); 0: SiLU */
-    float alpha, limit;
-} gating_t;
 
 static inline float bias_at(const uint16_t *b, int64_t stride, int64_t s, int64_t i) {
     return b ? bf16_to_f32(b[s * stride + i]) : 0.0f;
@@ -145,7 +120,8 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
     }
 }
 
-/* The gated experts of one MoE layer for a few rows each (decode), in one call.
+/* The gated experts of one MoE layer for a few rows each (decode), in one call (moe_block.c
+ * calls it after routing).
  * `rows` [P, H] bf16: the tokens' hidden states gathered and sorted by slot; active slot a
  * owns rows [starts[a], starts[a] + counts[a]). Weights read in place from the slot pools:
  * w13 slot s ([2I, H]: gate rows, then up rows), w2 ([H, I]).
@@ -153,11 +129,18 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
  * or the clamped SwiGLU, on gate_up (+ b13) (`gating`, NULL: SiLU). Scratch: `gate_up`
  * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, in chunks of
  * CHUNK_ROWS rows claimed by the threads. */
-static int moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
-                       const int64_t *slots, const int64_t *starts, const int64_t *counts,
-                       int64_t num_active, const float *row_weights, int64_t H, int64_t I,
-                       float *gate_up, uint16_t *act, float *down, int fast) {
+int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
+                    const int64_t *slots, const int64_t *starts, const int64_t *counts,
+                    int64_t num_active, const float *row_weights, int64_t H, int64_t I,
+                    float *gate_up, uint16_t *act, float *down, int fast) {
     static const gating_t silu = {0};
+    if (p13.kind < WEIGHTS_BF16 || p13.kind > WEIGHTS_FP8 || p13.block_rows < 1
+        || p13.group < 0 || p2.kind != p13.kind || p2.group != p13.group
+        || p2.block_rows != p13.block_rows
+        || (p13.kind == WEIGHTS_INT8 && (p13.group || p13.block_rows != 1))
+        || ((p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4)
+            && (p13.group == 0 || p13.block_rows != 1)))
+        return -1;
     const gating_t *g = gating ? gating : &silu;
     /* activations quantized to int8 for the integer formats */
     int quantized = p13.kind != WEIGHTS_BF16 && p13.kind != WEIGHTS_FP8;
@@ -251,8 +234,8 @@ int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
     pool_t p13 = {w13, s13, WEIGHTS_BF16, 0, 0, 0, 1, 1}, p2 = p13;
     p2.w = w2;
     p2.stride = s2;
-    return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
-                       H, I, gate_up, act, down, fast);
+    return mox_moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active,
+                           row_weights, H, I, gate_up, act, down, fast);
 }
 
 /* Quantized slot pools (`kind` 1: int8, 2: int4, 3: MXFP4, 4: FP8 E4M3): float32 scales, w13's
@@ -268,12 +251,10 @@ int mox_moe_experts_quantized(const uint16_t *rows, int kind, const void *w13, i
                               int64_t num_active, const float *row_weights, int64_t H,
                               int64_t I, float *gate_up, uint16_t *act, float *down,
                               int fast) {
-    if (kind < WEIGHTS_INT8 || kind > WEIGHTS_FP8 || block_rows < 1 || group < 0
-        || (kind == WEIGHTS_INT8 && (group || block_rows != 1))
-        || ((kind == WEIGHTS_INT4 || kind == WEIGHTS_MXFP4) && (group == 0 || block_rows != 1)))
+    if (kind == WEIGHTS_BF16)
         return -1;
     pool_t p13 = {w13, s13, kind, sc13, ss13, group, block_rows, I};
     pool_t p2 = {w2, s2, kind, sc2, ss2, group, block_rows, H};
-    return moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active, row_weights,
-                       H, I, gate_up, act, down, fast);
+    return mox_moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active,
+                           row_weights, H, I, gate_up, act, down, fast);
 }

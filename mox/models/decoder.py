@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mox.kernels.native_attention import AttentionLayer
+from mox.kernels.native_moe import MoELayer
 from mox.loaders.spec import ModelSpec
 from mox.models.attention import (
     AttentionWeights,
@@ -25,7 +26,7 @@ from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
 from mox.models.layers import MLPWeights, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
-from mox.models.moe import MoEWeights, moe_block, route
+from mox.models.moe import MoEWeights, moe_block, native_moe_layer, route, takes_native
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
 
@@ -62,7 +63,10 @@ class MoEDecoder:
         moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEWeights)]
         # each MoE block's successor, whose router predicts what to prefetch
         self.next_moe = {a.moe_layer: b for a, b in zip(moe, moe[1:])}
+        self._first_moe = next((i for i, layer in enumerate(layers)
+                                if isinstance(layer.mlp, MoEWeights)), None)
         self._native_layers: dict[int, AttentionLayer | None] = {}   # see _native_layer
+        self._native_moe_layers: dict[int, MoELayer | None] = {}      # see _native_moe
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,6 +102,7 @@ class MoEDecoder:
         eps = self.spec.rms_norm_eps
         # (every layer's attention has the same shapes and dtype: one answer for the batch)
         native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
+        native_moe = batch.key_ranges is not None and self._takes_native_moe(x)
         for i, layer in enumerate(self.layers):
             native_layer = self._native_layer(i) if native_block else None
             if native_layer is not None:           # CPU decode: the same steps in one call
@@ -108,7 +113,8 @@ class MoEDecoder:
                 h = rms_norm(x, layer.post_attention_norm, eps)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)
-                x = x + (yield from moe_block(self.spec, layer.mlp, self.experts, h))
+                x = yield from moe_block(self.spec, layer.mlp, self.experts, h, x,
+                                         self._native_moe(i) if native_moe else None)
             else:
                 x = x + layer.mlp(h)
             yield None
@@ -126,6 +132,20 @@ class MoEDecoder:
                                                   layer.input_norm, layer.post_attention_norm,
                                                   self.rotary)
         return self._native_layers[i]
+
+    def _takes_native_moe(self, x: torch.Tensor) -> bool:
+        """Whether this decode batch's MoE layers may take the native block (the first
+        answers for all: they share shapes, routing and the pool)."""
+        first = self._first_moe
+        return (first is not None and self._native_moe(first) is not None
+                and takes_native(self.layers[first].mlp, self.experts, x))
+
+    def _native_moe(self, i: int) -> MoELayer | None:
+        """Layer i's router struct for the native MoE block, or None where its routing is
+        one the block does not do (built on first use)."""
+        if i not in self._native_moe_layers:
+            self._native_moe_layers[i] = native_moe_layer(self.spec, self.layers[i].mlp)
+        return self._native_moe_layers[i]
 
     def _prefetch_next(self, current: MoEWeights, h: torch.Tensor) -> None:
         """The next MoE layer's router applied to this layer's input predicts its experts

@@ -12,12 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from mox.kernels import (
+    Activation,
+    ExpertScales,
     fused_moe,
+    native,
     sigmoid_grouped_topk,
     softmax_group_limited_topk,
     softmax_topk,
     topk_softmax,
 )
+from mox.kernels.native_moe import MoELayer, moe_layer
 from mox.loaders.spec import (
     ROUTING_SIGMOID_GROUPED,
     ROUTING_SOFTMAX,
@@ -47,6 +51,9 @@ def route(spec: ModelSpec, w: MoEWeights,
         logits = linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
     else:
         logits = linear(x, w.router, w.router_bias)
+    native_routing = _native_routing(spec)
+    if native_routing is not None and native.takes_routing(logits):
+        return native.kernels().route(logits, spec.top_k, *native_routing)
     if router.scoring == ROUTING_TOPK_SOFTMAX:
         return topk_softmax(logits, spec.top_k)
     if router.scoring == ROUTING_SIGMOID_GROUPED:
@@ -66,13 +73,60 @@ def route(spec: ModelSpec, w: MoEWeights,
     return weights, ids
 
 
-def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
-              x: torch.Tensor) -> Generator[ReadsPending, None, torch.Tensor]:
-    """x `[T, H]` -> `[T, H]`. Experts come in waves from the pager: the resident ones first
-    (computed while misses load), then the rest as they arrive; each wave's slot map holds
-    only its experts, so every (token, expert) pair is computed exactly once. Where a wave
-    waits for reads, the block yields them to its driver (mox.pager.pending)."""
-    topk_weights, topk_ids = route(spec, w, x)                            # [T, k]
+def _native_routing(spec: ModelSpec) -> tuple[str, bool, float] | None:
+    """The routing as the native kernels take it (scoring, renormalize, scaling), or None
+    where they do not do it (grouped or sigmoid scores)."""
+    router = spec.router
+    if router.scoring == ROUTING_TOPK_SOFTMAX:            # (the weights sum to 1: no scaling)
+        return "topk_softmax", False, 1.0
+    if router.scoring == ROUTING_SOFTMAX:
+        return "softmax_topk", spec.norm_topk_prob, router.routed_scaling_factor
+    return None
+
+
+def native_moe_layer(spec: ModelSpec, w: MoEWeights) -> MoELayer | None:
+    """The layer's router as the native decode block takes it (csrc/moe_block.c: routing,
+    residency and experts in one call), or None where its routing is one the block does not
+    do (grouped or sigmoid scores, an fp32 router)."""
+    routing = _native_routing(spec)
+    if (routing is None or spec.router.fp32 or w.router.dtype != torch.bfloat16
+            or w.router.device.type != "cpu"):
+        return None
+    return moe_layer(w.router, w.router_bias, spec.moe_intermediate_size, spec.top_k, *routing)
+
+
+def takes_native(w: MoEWeights, experts: ModelPool, x: torch.Tensor) -> bool:
+    """Whether the native block may serve these decode rows: the router's GEMV and the expert
+    kernel's fast path serve them here, and no token's row count could exceed what the
+    kernel beats torch at (every token routing to one expert)."""
+    pool = experts.slot_pool
+    scales = None if pool.fmt is None else ExpertScales(pool.fmt, pool.w13_scale, pool.w2_scale)
+    return (native.takes(x, w.router)
+            and x.shape[0] <= native.max_rows_per_expert()
+            and native.takes_experts(x, pool.w13, pool.w2, scales, pool.b13, pool.b2))
+
+
+def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tensor,
+              x: torch.Tensor, native_layer: MoELayer | None = None
+              ) -> Generator[ReadsPending, None, torch.Tensor]:
+    """h `[T, H]` (the normed residual stream x `[T, H]`) -> x + block(h). With a
+    `native_layer` (decode on a CPU, callers check `takes_native`), routing and the experts
+    run in one native call when every expert the tokens route to is resident; otherwise, or
+    without one, experts come in waves from the pager: the resident ones first (computed
+    while misses load), then the rest as they arrive; each wave's slot map holds only its
+    experts, so every (token, expert) pair is computed exactly once. Where a wave waits for
+    reads, the block yields them to its driver (mox.pager.pending)."""
+    if native_layer is not None:
+        fold = w.shared_expert is None                       # the residual add in the call
+        with experts.holding(w.moe_layer) as hold:
+            topk_weights, topk_ids, out = native.kernels().moe_block(
+                native_layer, h, hold.slot_of, hold.w13, hold.w2, hold.scales,
+                _activation(spec), hold.b13, hold.b2, residual=x if fold else None)
+        if out is not None:
+            experts.record_resident(w.moe_layer, topk_ids.reshape(-1).tolist())
+            return out if fold else x + _add_shared(w, h, out)
+    else:
+        topk_weights, topk_ids = route(spec, w, h)                        # [T, k]
     out = None
     # (the pager takes each expert once: a host list is cheaper than a device unique())
     for lease in experts.wave_steps(w.moe_layer, topk_ids.reshape(-1).tolist()):
@@ -81,16 +135,24 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool,
             continue
         # fp32 across waves, rounded once: the result does not depend on how many waves
         # residency split the step into (greedy output is the same cold or warm)
-        part = fused_moe(x, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
+        part = fused_moe(h, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
                          spec.activation, backend="auto", workspace=experts.workspace,
                          out_dtype=torch.float32, b13=lease.b13, b2=lease.b2,
                          swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit,
                          scales=lease.scales)
         out = part if out is None else out.add_(part)
-    out = out.to(x.dtype)
+    return x + _add_shared(w, h, out.to(h.dtype))
+
+
+def _activation(spec: ModelSpec) -> Activation:
+    return Activation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
+
+
+def _add_shared(w: MoEWeights, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The routed experts' `out` plus the shared expert, where the layer has one."""
     if w.shared_expert is None:
         return out
     if w.shared_expert_gate is None:
-        return out + w.shared_expert(x)
-    gate = torch.sigmoid(linear(x, w.shared_expert_gate))              # [T, 1]
-    return out + gate * w.shared_expert(x)
+        return out + w.shared_expert(h)
+    gate = torch.sigmoid(linear(h, w.shared_expert_gate))              # [T, 1]
+    return out + gate * w.shared_expert(h)

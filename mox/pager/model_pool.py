@@ -17,6 +17,7 @@ Design note.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from mox.kernels import NOT_RESIDENT, ExpertScales
 from mox.pager.eviction import ExpertKey
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
+from mox.pager.slot_pool import Slot
 from mox.pager.stats import PAGE_IN_BUCKETS
 
 # Prefetch on a rising rate only experts clearly above uniform use: under near-uniform
@@ -48,6 +50,22 @@ class Lease:
     b13: torch.Tensor | None = None      # [S, 2I] expert biases, where the model has them
     b2: torch.Tensor | None = None       # [S, H]
     scales: ExpertScales | None = None   # w13 and w2 are stored quantized
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Every resident expert of one layer, readable without a lease while the hold lasts:
+    `slot_of [E]` is the layer's live residency table (int32, NOT_RESIDENT where absent).
+    Meanwhile nothing is evicted or moved, so an expert it shows keeps its slot; loads that
+    commit only add experts (in slots a kernel must bound by the pools' first dim)."""
+
+    moe_layer: int
+    slot_of: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    scales: ExpertScales | None = None
 
 
 @dataclass(frozen=True)
@@ -116,12 +134,8 @@ class ModelPool(PagedPool):
         for the next item once it is `done` (asking earlier blocks until it is)."""
         wanted = sorted(set(expert_ids))
         with self._lock:
-            if self.slot_pool.target_slots == 0:
-                raise MoxError(f"model {self.name!r} has no expert memory (it is parked)")
-            now = self.clock()
-            self.usage.record(moe_layer, wanted, now)
-            self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
-            self._settle_queued(moe_layer, set(wanted))
+            self._check_not_parked()
+            self._record_access(moe_layer, wanted)
             ready, pending, missing = self._classify(moe_layer, wanted)
             started = self._start_loads(moe_layer, missing, prefetched=False)
             pending, missing = pending + started, missing[len(started):]
@@ -150,6 +164,36 @@ class ModelPool(PagedPool):
                 # the next group loads while the caller computes `ready`
                 pending = self._start_loads(moe_layer, missing, prefetched=False)
                 missing = missing[len(pending):]
+
+    @contextlib.contextmanager
+    def holding(self, moe_layer: int) -> Iterator[Hold]:
+        """A `Hold` on the layer's resident experts for one kernel call (a decode step that
+        finds every expert it routes to resident needs no lease: the native block checks
+        the table itself, and `record_resident` counts what it used)."""
+        pool = self.slot_pool
+        with self._lock:
+            self._check_not_parked()
+            pool.holds += 1
+            hold = Hold(moe_layer, pool.slot_of[moe_layer], *pool.in_use())
+        try:
+            yield hold
+        finally:
+            with self._lock:
+                pool.holds -= 1
+                self._drain()                # what waited for the hold (a shrink)
+                self._changed.notify_all()
+
+    def record_resident(self, moe_layer: int, expert_ids: Iterable[int]) -> None:
+        """A step computed these experts of the layer in their slots under a hold: counted as
+        a wave of hits would be."""
+        wanted = sorted(set(expert_ids))
+        with self._lock:
+            self._record_access(moe_layer, wanted)
+            now, pool = self.clock(), self.slot_pool
+            for expert in wanted:
+                self._count_hit((moe_layer, expert), pool.slots[pool.lookup((moe_layer, expert))],
+                                now)
+            self.counters.waves += 1
 
     def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
         """`wave_steps` for a caller that blocks where reads are pending."""
@@ -252,6 +296,25 @@ class ModelPool(PagedPool):
             return started
 
     # ---- internals (called with the lock held unless noted) -----------------------------
+    def _check_not_parked(self) -> None:
+        if self.slot_pool.target_slots == 0:
+            raise MoxError(f"model {self.name!r} has no expert memory (it is parked)")
+
+    def _record_access(self, moe_layer: int, wanted: list[int]) -> None:
+        """A step of the layer routes to `wanted` (distinct, sorted): usage, the miss-ratio
+        curve, and the reads queued for the layer."""
+        now = self.clock()
+        self.usage.record(moe_layer, wanted, now)
+        self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
+        if self._inflight:
+            self._settle_queued(moe_layer, set(wanted))
+
+    def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
+        self.counters.hits += 1
+        self.counters.prefetch_hits += slot.prefetched
+        slot.prefetched = False
+        self.policy.on_access(key, now)
+
     def _classify(self, moe_layer: int, wanted: list[int], count: bool = True):
         """Split into resident (pinned now), already loading, and missing experts."""
         now, pool, stats = self.clock(), self.slot_pool, self.counters
@@ -261,12 +324,8 @@ class ModelPool(PagedPool):
             index = pool.lookup(key)
             if index != NOT_RESIDENT:
                 if count:
-                    slot = pool.slots[index]
-                    slot.pins += 1
-                    stats.hits += 1
-                    stats.prefetch_hits += slot.prefetched
-                    slot.prefetched = False
-                    self.policy.on_access(key, now)
+                    pool.slots[index].pins += 1
+                    self._count_hit(key, pool.slots[index], now)
                 ready.append(expert)
             elif key in self._inflight:
                 pending.append(expert)
@@ -278,7 +337,7 @@ class ModelPool(PagedPool):
 
     def _has_room(self) -> bool:
         pool = self.slot_pool
-        return bool(pool.free_slots(1)) or any(s.is_evictable for s in pool.slots)
+        return bool(pool.free_slots(1)) or bool(pool.evictable())
 
     def _reads(self, moe_layer: int, pending: list[int]) -> ReadsPending:
         with self._lock:

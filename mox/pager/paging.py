@@ -217,7 +217,8 @@ class PagedPool:
         keep reading the old tensors, whose pinned slots stay valid), so it only waits for
         in-flight loads; shrinking moves experts, so it waits until nothing is pinned."""
         pool = self.slot_pool
-        if pool.num_slots < pool.target_slots and not any(s.loading for s in pool.slots):
+        if (pool.num_slots < pool.target_slots and not pool.holds
+                and not any(s.loading for s in pool.slots)):
             pool.grow()
         if pool.num_slots == pool.target_slots or not pool.is_quiet:
             return

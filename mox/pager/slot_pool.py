@@ -6,8 +6,9 @@ weights through (NOT_RESIDENT where an expert has no slot).
 
 A slot is free, loading (reserved and pinned while its bytes arrive; not yet in `slot_of`, so
 no kernel can read half an expert) or resident. Pinned slots (leased, or loading) are never
-evicted. The pool grows with every expert keeping its slot (once no load is in flight), and
-shrinks once nothing is pinned. On a GPU both reallocate and copy. On the CPU the tensors are
+evicted, nor is anything while a kernel holds the pool (`holds`). The pool grows with every
+expert keeping its slot (once no load is in flight), and shrinks once nothing is pinned. On a
+GPU both reallocate and copy. On the CPU the tensors are
 views of one anonymous mapping sized for every expert of the model, of which only the pages of
 slots in use are backed: growing adds slots without a copy, and shrinking moves only the
 residents above the new size into free slots below it and hands the tail's pages back to the
@@ -72,6 +73,9 @@ class SlotPool:
                                   device=device)                          # [L, E]
         self._slot_of_host = [[NOT_RESIDENT] * num_experts for _ in range(num_layers)]
         self.target_slots = num_slots
+        # kernel calls reading the live table (ModelPool.holding): while any runs, nothing
+        # is evicted and the tensors neither move nor grow
+        self.holds = 0
         self._mapped: list[MappedTensor] | None = None
         if device.type == "cpu":                 # sized for every expert the model has
             self._mapped = [MappedTensor(shape, part_dtype) for shape, part_dtype
@@ -178,7 +182,7 @@ class SlotPool:
 
     @property
     def is_quiet(self) -> bool:
-        return all(s.pins == 0 and not s.loading for s in self.slots)
+        return not self.holds and all(s.pins == 0 and not s.loading for s in self.slots)
 
     def lookup(self, key: ExpertKey) -> int:
         """The slot holding `key` resident, or NOT_RESIDENT (also while it is loading)."""
@@ -203,6 +207,8 @@ class SlotPool:
         return found
 
     def evictable(self) -> list[int]:
+        if self.holds:
+            return []
         return [i for i, s in enumerate(self.slots) if s.is_evictable]
 
     def reserve(self, index: int, key: ExpertKey, prefetched: bool) -> None:
@@ -288,6 +294,7 @@ class SlotPool:
         self._num_occupied = len(keep)
 
     def check_integrity(self) -> None:
+        assert self.holds >= 0
         seen: dict[ExpertKey, int] = {}
         for index, slot in enumerate(self.slots):
             assert slot.pins >= 0

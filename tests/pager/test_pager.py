@@ -120,6 +120,29 @@ def test_shrinking_budget_evicts_unleased_and_compacts(ckpt):
     assert slots.num_slots == 5
 
 
+def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
+    """A kernel reading the live table under `holding` sees no expert leave or move: a
+    shrink waits for the hold, then drains; what it used counts as hits, as a wave would."""
+    pool = new_pool(ckpt, num_slots=6)
+    pool.release(pool.acquire(0, range(6)))
+    with pool.holding(0) as hold:
+        before = hold.slot_of.tolist()
+        pool.resize(2)
+        pool.prefetch(1, [0, 1])                   # room for another layer: none evictable
+        assert hold.slot_of.tolist() == before and pool.slot_pool.num_occupied == 6
+        assert pool.slot_pool.num_slots == 6 and hold.w13.shape[0] == 6
+        hits = pool.stats()["hits"]
+        pool.record_resident(0, [3, 1, 3])
+    assert pool.stats()["hits"] == hits + 2
+    assert pool.usage.steps[0] > 0 and pool.usage.counts[0, [1, 3]].min() > 0
+    assert pool.slot_pool.num_occupied == 2 and pool.slot_pool.num_slots == 2   # drained
+    pool.check_integrity()
+    pool.resize(0)
+    with pytest.raises(MoxError, match="parked"):
+        with pool.holding(0):
+            pass
+
+
 def test_cpu_pools_resize_in_place_and_give_pages_back():
     from mox.pager.slot_pool import SlotPool
     pool = SlotPool(2, 8, 1024, 512, torch.bfloat16, CPU, num_slots=6)
