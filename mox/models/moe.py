@@ -6,6 +6,7 @@ Legend: T tokens, H hidden, E experts, k experts per token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -121,9 +122,11 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tenso
         with experts.holding(w.moe_layer) as hold:
             topk_weights, topk_ids, out = native.kernels().moe_block(
                 native_layer, h, hold.slot_of, hold.w13, hold.w2, hold.scales,
-                _activation(spec), hold.b13, hold.b2, residual=x if fold else None)
+                _activation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit), hold.b13,
+                hold.b2, residual=x if fold else None)
+            if out is not None:
+                hold.used = topk_ids.reshape(-1).tolist()
         if out is not None:
-            experts.record_resident(w.moe_layer, topk_ids.reshape(-1).tolist())
             return out if fold else x + _add_shared(w, h, out)
     else:
         topk_weights, topk_ids = route(spec, w, h)                        # [T, k]
@@ -144,8 +147,9 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tenso
     return x + _add_shared(w, h, out.to(h.dtype))
 
 
-def _activation(spec: ModelSpec) -> Activation:
-    return Activation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
+@functools.cache
+def _activation(kind: str, alpha: float, limit: float) -> Activation:
+    return Activation(kind, alpha, limit)          # (one per model: not built every layer)
 
 
 def _add_shared(w: MoEWeights, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,14 @@ class Lease:
     scales: ExpertScales | None = None   # w13 and w2 are stored quantized
 
 
-@dataclass(frozen=True)
+@dataclass
 class Hold:
     """Every resident expert of one layer, readable without a lease while the hold lasts:
     `slot_of [E]` is the layer's live residency table (int32, NOT_RESIDENT where absent).
     Meanwhile nothing is evicted or moved, so an expert it shows keeps its slot; loads that
-    commit only add experts (in slots a kernel must bound by the pools' first dim)."""
+    commit only add experts (in slots a kernel must bound by the pools' first dim). The
+    holder sets `used` to the experts it computed from their slots (counted as hits when the
+    hold ends)."""
 
     moe_layer: int
     slot_of: torch.Tensor
@@ -66,6 +68,7 @@ class Hold:
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     scales: ExpertScales | None = None
+    used: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +170,9 @@ class ModelPool(PagedPool):
 
     @contextlib.contextmanager
     def holding(self, moe_layer: int) -> Iterator[Hold]:
-        """A `Hold` on the layer's resident experts for one kernel call (a decode step that
-        finds every expert it routes to resident needs no lease: the native block checks
-        the table itself, and `record_resident` counts what it used)."""
+        """A `Hold` on the layer's resident experts for one kernel call: a decode step that
+        finds every expert it routes to resident needs no lease (the native block checks the
+        table itself); the experts it names in `hold.used` count as a wave of hits would."""
         pool = self.slot_pool
         with self._lock:
             self._check_not_parked()
@@ -180,20 +183,10 @@ class ModelPool(PagedPool):
         finally:
             with self._lock:
                 pool.holds -= 1
+                if hold.used is not None:
+                    self._record_hits(moe_layer, sorted(set(hold.used)))
                 self._drain()                # what waited for the hold (a shrink)
                 self._changed.notify_all()
-
-    def record_resident(self, moe_layer: int, expert_ids: Iterable[int]) -> None:
-        """A step computed these experts of the layer in their slots under a hold: counted as
-        a wave of hits would be."""
-        wanted = sorted(set(expert_ids))
-        with self._lock:
-            self._record_access(moe_layer, wanted)
-            now, pool = self.clock(), self.slot_pool
-            for expert in wanted:
-                self._count_hit((moe_layer, expert), pool.slots[pool.lookup((moe_layer, expert))],
-                                now)
-            self.counters.waves += 1
 
     def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
         """`wave_steps` for a caller that blocks where reads are pending."""
@@ -308,6 +301,15 @@ class ModelPool(PagedPool):
         self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
         if self._inflight:
             self._settle_queued(moe_layer, set(wanted))
+
+    def _record_hits(self, moe_layer: int, wanted: list[int]) -> None:
+        """A step computed `wanted` (distinct, sorted, all resident) in their slots."""
+        self._record_access(moe_layer, wanted)
+        now, pool = self.clock(), self.slot_pool
+        for expert in wanted:
+            key = (moe_layer, expert)
+            self._count_hit(key, pool.slots[pool.lookup(key)], now)
+        self.counters.waves += 1
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
         self.counters.hits += 1

@@ -132,7 +132,7 @@ def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
         assert hold.slot_of.tolist() == before and pool.slot_pool.num_occupied == 6
         assert pool.slot_pool.num_slots == 6 and hold.w13.shape[0] == 6
         hits = pool.stats()["hits"]
-        pool.record_resident(0, [3, 1, 3])
+        hold.used = [3, 1, 3]
     assert pool.stats()["hits"] == hits + 2
     assert pool.usage.steps[0] > 0 and pool.usage.counts[0, [1, 3]].min() > 0
     assert pool.slot_pool.num_occupied == 2 and pool.slot_pool.num_slots == 2   # drained
