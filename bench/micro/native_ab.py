@@ -6,11 +6,16 @@ moment (this VM's memory rate drifts 30-50% between runs).
 - `gemv`: the decode GEMV (kernels/csrc/bf16_gemv.c) on the bench olmoe's dense shapes,
   weights cycled past the L3 (every call reads from memory), M rows of activations;
 - `moe`: one MoE layer's experts (kernels/csrc/moe_experts.c) over a 64-slot pool of the bench
-  olmoe's experts (H 1024, I 512), each call routing T tokens to 8 experts at random.
+  olmoe's experts (H 1024, I 512), each call routing T tokens to 8 experts at random;
+- `attention`: decode attention (kernels/csrc/decode_attention.c) with the bench olmoe's heads
+  (16 query, 4 KV, 64 dims), T tokens over L cached keys each, in blocks of 16 slots
+  scattered over the store (as the engine's KV pool hands them out).
 
-Figures: GB/s of weight read, median of the alternated passes, and new / base.
+Figures: GB/s of weights (or keys and values) read, median of the alternated passes, and
+new / base.
 
     .venv/bin/python -m mox.bench.micro.native_ab [--base REV] [--name NAME]
+        [--parts gemv,moe,attention]
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ GEMV_ROWS = (1, 2, 4, 8, 32)
 MOE_TOKENS = (1, 8, 32)
 HIDDEN, INTER, SLOTS, TOP_K = 1024, 512, 64, 8
 PASSES = 5
+HEADS, KV_HEADS, HEAD_DIM = 16, 4, 64
+ATTENTION_SHAPES = ((1, 48), (32, 48), (1, 2048), (8, 2048), (32, 512))   # (tokens, keys)
+KV_BLOCK = 16                 # mox.engine's KV block size
 
 
 def base_sources(rev: str, folder: str) -> str:
@@ -116,13 +124,47 @@ def moe_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
     return lines
 
 
+def _attention_pass(args: tuple, lib: native.NativeKernels) -> int:
+    q, keys, values, slots, starts, lengths = args
+    lib.decode_attention(q, keys, values, slots, starts, lengths, HEAD_DIM ** -0.5, None)
+    return 2 * slots.numel() * KV_HEADS * HEAD_DIM * keys.element_size()
+
+
+def attention_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
+    generator = torch.Generator().manual_seed(1)
+    lines = ["| decode attention (16 / 4 heads of 64) | base GB/s | new GB/s | new / base |",
+             "|---|---|---|---|"]
+    for tokens, length in ATTENTION_SHAPES:
+        # the engine's blocks of 16 slots, scattered over a store twice the size in use
+        blocks = -(-tokens * length // KV_BLOCK)
+        keys, values = (torch.randn(2 * blocks * KV_BLOCK, KV_HEADS, HEAD_DIM,
+                                    generator=generator).bfloat16() for _ in range(2))
+        chosen = torch.randperm(2 * blocks, generator=generator)[:blocks]
+        slots = (chosen[:, None] * KV_BLOCK + torch.arange(KV_BLOCK)).flatten()
+        slots = slots[:tokens * length]
+        args = (torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).bfloat16(), keys,
+                values, slots, torch.arange(tokens) * length, torch.full((tokens,), length))
+        r = alternate(builds, partial(_attention_pass, args))
+        lines.append(f"| {tokens} tokens x {length} keys | {r['base']:.1f} | {r['new']:.1f} | "
+                     f"{r['new'] / r['base']:.2f}x |")
+    return lines
+
+
+PARTS = {"gemv": gemv_rows, "moe": moe_rows, "attention": attention_rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mox.bench.micro.native_ab",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision of the base sources")
     parser.add_argument("--name", help="also write bench/results/NAME.md")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which kernels, of " + ", ".join(PARTS))
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
@@ -131,15 +173,17 @@ def main(argv: list[str] | None = None) -> None:
         if base is None or new is None:
             raise SystemExit("the native kernels could not be built here")
         builds = {"base": native.NativeKernels(base), "new": native.NativeKernels(new)}
-        lines = gemv_rows(builds) + [""] + moe_rows(builds)
+        lines = [line for part in parts for line in PARTS[part](builds) + [""]]
     head = ["# Native kernels: the working tree against " + args.base, "",
             f"- command: .venv/bin/python -m mox.bench.micro.native_ab --base {args.base}"
-            + (f" --name {args.name}" if args.name else ""),
+            + (f" --name {args.name}" if args.name else "")
+            + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else ""),
             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
             f"- machine: {describe()}", f"- load average before: {load[0]:.2f}",
             f"- threads: {torch.get_num_threads()}", "",
-            "GB/s of weight read, median of alternated passes: base -> new (new / base).", ""]
-    text = "\n".join(head + lines) + "\n"
+            "GB/s of weights (keys and values) read, median of alternated passes: base -> new "
+            "(new / base).", ""]
+    text = "\n".join(head + lines)
     print(text)
     if args.name:
         (RESULTS_DIR / f"{args.name}.md").write_text(text)

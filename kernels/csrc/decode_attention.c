@@ -6,11 +6,13 @@
  * cached apart): q[t, hq, :d] . K[s_j, g, :] + q[t, hq, d:] . K2[s_j, g, :]
  * over the slots s_j = slots[starts[t] .. starts[t] + lengths[t]) (the last `window` of them
  * when window > 0), g = hq / (h / h_kv) its KV head. q, K, V bf16; sums and out float32.
- * One task per (token, KV head): the group of query heads sharing that head reads each key
- * and value row once. Built with the other csrc/*.c into one library (mox/kernels/native.py).
+ * A task takes a token's KV heads (all of them, or one where tokens are few): each key and value
+ * row is read once and widened once for the query heads sharing it. Built with the other
+ * csrc/*.c into one library (mox/kernels/native.py).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -18,109 +20,226 @@
 #include "exported.h"
 #include "rows.h"
 
-/* q . k over n values (q float32, k bf16) */
-static float dot_plain(const float *q, const uint16_t *k, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++)
-        s += q[i] * bf16_to_f32(k[i]);
-    return s;
-}
-
-/* the same with 16 lanes: the compiler does not vectorize the plain loop's float sum (it
- * may not reorder it), which left the scores scalar: ~1 ms a layer at 32 sequences */
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static float dot_avx512(const float *q, const uint16_t *k, int64_t n) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + i)));
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i),
-                              _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), acc);
+/* The scores of one key against a group of query heads: scores[hq * stride] (+)=
+ * qf[hq * dq ..] . k[0 .. n) for hq < group (q float32, k bf16; `add`: onto what is there,
+ * for MLA's second key part). Each vector path widens a key vector once for up to four heads
+ * (per head, the same sums in the same order as one head alone). */
+static void group_dot_plain(const float *qf, int group, int64_t dq, const uint16_t *k,
+                            int64_t n, float *scores, int64_t stride, int add) {
+    for (int hq = 0; hq < group; hq++) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            s += qf[hq * dq + i] * bf16_to_f32(k[i]);
+        scores[hq * stride] = add ? scores[hq * stride] + s : s;
     }
-    float s = _mm512_reduce_add_ps(acc);
-    for (; i < n; i++)
-        s += q[i] * bf16_to_f32(k[i]);
-    return s;
 }
 
-/* the same with 8 lanes, for CPUs with AVX2 but not AVX-512 */
+/* The vector paths: HEADS heads (a constant, so the accumulators stay in registers) at a
+ * time: four while four are left, then one by one. */
+#define GROUP_DOT(name, attributes, vec, lanes, zero, widen, fma, load, reduce)                \
+    attributes static inline __attribute__((always_inline)) void name##_heads(              \
+            const float *q, int heads, int64_t dq, const uint16_t *k, int64_t n,            \
+            float *scores, int64_t stride, int add) {                                       \
+        vec acc[4];                                                                         \
+        for (int hq = 0; hq < heads; hq++)                                                  \
+            acc[hq] = zero();                                                               \
+        int64_t i = 0;                                                                      \
+        for (; i + lanes <= n; i += lanes) {                                                \
+            vec kv = widen(k + i);                                                          \
+            for (int hq = 0; hq < heads; hq++)                                              \
+                acc[hq] = fma(load(q + hq * dq + i), kv, acc[hq]);                          \
+        }                                                                                   \
+        for (int hq = 0; hq < heads; hq++) {                                                \
+            float s = reduce(acc[hq]);                                                      \
+            for (int64_t j = i; j < n; j++)                                                 \
+                s += q[hq * dq + j] * bf16_to_f32(k[j]);                                    \
+            scores[hq * stride] = add ? scores[hq * stride] + s : s;                        \
+        }                                                                                   \
+    }                                                                                       \
+    attributes static void name(const float *qf, int group, int64_t dq, const uint16_t *k,  \
+                                int64_t n, float *scores, int64_t stride, int add) {        \
+        int h0 = 0;                                                                         \
+        for (; h0 + 4 <= group; h0 += 4)                                                    \
+            name##_heads(qf + h0 * dq, 4, dq, k, n, scores + h0 * stride, stride, add);     \
+        for (; h0 < group; h0++)                                                            \
+            name##_heads(qf + h0 * dq, 1, dq, k, n, scores + h0 * stride, stride, add);     \
+    }
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m512 widen16(const uint16_t *k) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 lanes: the compiler does not vectorize the plain loop's float sum (it may not reorder
+ * it), which left the scores scalar: ~1 ms a layer at 32 sequences */
+GROUP_DOT(group_dot_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512, 16,
+          _mm512_setzero_ps, widen16, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_reduce_add_ps)
+/* 8 lanes, for CPUs with AVX2 but not AVX-512 */
+GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps,
+          widen8, _mm256_fmadd_ps, _mm256_loadu_ps, sum8)
+
+/* p [n] = exp(p - max p) / their sum, in place. The vector paths' exp is Cephes' single
+ * precision polynomial, 8 or 16 at a time: glibc's scalar expf is a call per key and head,
+ * which dominated long contexts. */
+static void softmax_plain(float *p, int64_t n) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        top = p[j] > top ? p[j] : top;
+    for (int64_t j = 0; j < n; j++)
+        total += (p[j] = expf(p[j] - top));
+    for (int64_t j = 0; j < n; j++)
+        p[j] /= total;
+}
+
+#define EXP_POLY {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, \
+                  1.6666665459e-1f, 5.0000001201e-1f}
+#define SOFTMAX_VEC(name, attributes, vec, ivec, lanes, set1, fma, mul, add, sub, maxf, minf, \
+                    floorf_, cvt, shift, addi, cast, load, store, reduce_max, reduce_add)       \
+    attributes static inline vec name##_exp(vec x) {                                            \
+        static const float poly[] = EXP_POLY;                                                   \
+        x = maxf(minf(x, set1(88.3762626647949f)), set1(-87.3365447504019f));                   \
+        vec n = floorf_(fma(x, set1(1.44269504088896341f), set1(0.5f)));                       \
+        x = sub(x, mul(n, set1(0.693359375f)));                                                 \
+        x = sub(x, mul(n, set1(-2.12194440e-4f)));                                              \
+        vec y = set1(poly[0]);                                                                  \
+        for (int i = 1; i < 6; i++)                                                             \
+            y = fma(y, x, set1(poly[i]));                                                       \
+        y = add(fma(y, mul(x, x), x), set1(1.0f));                                              \
+        ivec e = shift(addi(cvt(n), ivec_set1_##name(127)), 23);                                \
+        return mul(y, cast(e));                                                                 \
+    }                                                                                           \
+    attributes static void name(float *p, int64_t n) {                                          \
+        float top = -INFINITY, total = 0.0f;                                                    \
+        int64_t j = 0;                                                                          \
+        vec tops = set1(-INFINITY), sums = set1(0.0f);                                          \
+        for (; j + lanes <= n; j += lanes)                                                      \
+            tops = maxf(tops, load(p + j));                                                     \
+        top = reduce_max(tops);                                                                 \
+        for (; j < n; j++)                                                                      \
+            top = p[j] > top ? p[j] : top;                                                      \
+        for (j = 0; j + lanes <= n; j += lanes) {                                               \
+            vec e = name##_exp(sub(load(p + j), set1(top)));                                    \
+            store(p + j, e);                                                                    \
+            sums = add(sums, e);                                                                \
+        }                                                                                       \
+        float tail[lanes];                                                                      \
+        int64_t rest = n - j;                                                                   \
+        for (int64_t i = 0; i < lanes; i++)                                                     \
+            tail[i] = i < rest ? p[j + i] - top : -INFINITY;                                    \
+        store(tail, name##_exp(load(tail)));                                                    \
+        for (int64_t i = 0; i < rest; i++)                                                      \
+            p[j + i] = tail[i];                                                                 \
+        total = reduce_add(sums);                                                               \
+        for (int64_t i = 0; i < rest; i++)                                                      \
+            total += tail[i];                                                                   \
+        for (j = 0; j < n; j++)                                                                 \
+            p[j] /= total;                                                                      \
+    }
+
+#define ivec_set1_softmax_avx2 _mm256_set1_epi32
+#define ivec_set1_softmax_avx512 _mm512_set1_epi32
+
 __attribute__((target("avx2,fma")))
-static float dot_avx2(const float *q, const uint16_t *k, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), widen8(k + i), acc);
-    float s = sum8(acc);
-    for (; i < n; i++)
-        s += q[i] * bf16_to_f32(k[i]);
-    return s;
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-/* scores by `dot` (dot_avx512, dot_avx2 or dot_plain); the dv loops are elementwise, which
- * the vector builds below get vectorized by the compiler */
-static inline __attribute__((always_inline)) int attend_one(
+__attribute__((target("avx512f")))
+static inline __m512 floor16(__m512 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+
+SOFTMAX_VEC(softmax_avx2, __attribute__((target("avx2,fma"))), __m256, __m256i, 8,
+            _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_sub_ps,
+            _mm256_max_ps, _mm256_min_ps, _mm256_floor_ps, _mm256_cvtps_epi32,
+            _mm256_slli_epi32, _mm256_add_epi32, _mm256_castsi256_ps, _mm256_loadu_ps,
+            _mm256_storeu_ps, max8, sum8)
+SOFTMAX_VEC(softmax_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512,
+            __m512i, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps,
+            _mm512_sub_ps, _mm512_max_ps, _mm512_min_ps, floor16, _mm512_cvtps_epi32,
+            _mm512_slli_epi32, _mm512_add_epi32, _mm512_castsi512_ps, _mm512_loadu_ps,
+            _mm512_storeu_ps, _mm512_reduce_max_ps, _mm512_reduce_add_ps)
+
+typedef void (*group_dot_t)(const float *, int, int64_t, const uint16_t *, int64_t, float *,
+                            int64_t, int);
+
+/* One token over its keys, for KV heads [g0, g0 + heads) with their groups of query heads
+ * (q, out: the token's rows; keys, keys2, values: the store's first rows). Keys run in the
+ * outer loop, so each slot's row of those heads is read once, in order, and widened once for
+ * a whole group; scores by `dot` (group_dot_avx512, _avx2 or _plain). Each query head's sums
+ * run over the keys in order, whatever the heads a task takes. The dv loops are elementwise,
+ * which the vector builds below get vectorized by the compiler. */
+static inline __attribute__((always_inline)) int attend_token(
         const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
         int64_t k_stride, int64_t k2_stride, int64_t v_stride, const int64_t *slots,
-        int64_t length, int group, int64_t d, int64_t d2, int64_t dv, float scale, float *out,
-        int64_t out_head_stride, float (*dot)(const float *, const uint16_t *, int64_t)) {
-    int64_t dq = d + d2;
-    float *qf = malloc(sizeof(float) * (size_t)(group * dq + group * length + dv));
+        int64_t length, int64_t g0, int64_t heads, int group, int64_t d, int64_t d2,
+        int64_t dv, float scale, float *out, group_dot_t dot,
+        void (*softmax)(float *, int64_t)) {
+    int64_t dq = d + d2, width = heads * group;          /* query heads in the task */
+    float *qf = malloc(sizeof(float) * (size_t)(width * dq + width * length + dv));
     if (qf == NULL)
         return -1;
-    float *scores = qf + group * dq, *row = scores + group * length;
-    for (int64_t i = 0; i < group * dq; i++)
+    float *scores = qf + width * dq, *row = scores + width * length;
+    q += g0 * group * dq;
+    out += g0 * group * dv;
+    for (int64_t i = 0; i < width * dq; i++)
         qf[i] = bf16_to_f32(q[i]) * scale;
-    for (int64_t j = 0; j < length; j++) {
-        const uint16_t *k = keys + slots[j] * k_stride;
-        const uint16_t *k2 = keys2 + slots[j] * k2_stride;
-        for (int hq = 0; hq < group; hq++) {
-            const float *qh = qf + hq * dq;
-            scores[hq * length + j] = dot(qh, k, d) + (d2 ? dot(qh + d, k2, d2) : 0.0f);
+    for (int64_t j = 0; j < length; j++)
+        for (int64_t g = 0; g < heads; g++) {
+            const float *qg = qf + g * group * dq;
+            float *sg = scores + g * group * length + j;
+            dot(qg, group, dq, keys + slots[j] * k_stride + (g0 + g) * d, d, sg, length, 0);
+            if (d2)
+                dot(qg + d, group, dq, keys2 + slots[j] * k2_stride + (g0 + g) * d2, d2, sg,
+                    length, 1);
         }
-    }
-    for (int hq = 0; hq < group; hq++) {
-        float *p = scores + hq * length, top = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < length; j++)
-            top = p[j] > top ? p[j] : top;
-        for (int64_t j = 0; j < length; j++)
-            total += (p[j] = expf(p[j] - top));
-        for (int64_t j = 0; j < length; j++)
-            p[j] /= total;
-        float *o = out + hq * out_head_stride;
+    for (int64_t hq = 0; hq < width; hq++) {
+        softmax(scores + hq * length, length);
         for (int64_t i = 0; i < dv; i++)
-            o[i] = 0.0f;
-        for (int64_t j = 0; j < length; j++) {
-            const uint16_t *v = values + slots[j] * v_stride;
+            out[hq * dv + i] = 0.0f;
+    }
+    for (int64_t j = 0; j < length; j++)
+        for (int64_t g = 0; g < heads; g++) {
+            const uint16_t *v = values + slots[j] * v_stride + (g0 + g) * dv;
             for (int64_t i = 0; i < dv; i++)
                 row[i] = bf16_to_f32(v[i]);
-            for (int64_t i = 0; i < dv; i++)
-                o[i] += p[j] * row[i];
+            for (int64_t hq = g * group; hq < (g + 1) * group; hq++) {
+                float p = scores[hq * length + j], *o = out + hq * dv;
+                for (int64_t i = 0; i < dv; i++)
+                    o[i] += p * row[i];
+            }
         }
-    }
     free(qf);
     return 0;
 }
 
-#define ATTEND_ALL(dot)                                                                   \
+/* A task is a token's every KV head where there are tokens enough to keep the threads busy,
+ * else one (token, KV head) */
+#define ATTEND_ALL(dot, softmax)                                                          \
     int failed = 0;                                                                       \
     int group = (int)(h / h_kv);                                                          \
+    int64_t heads = num_tokens >= omp_get_max_threads() ? h_kv : 1;                       \
+    int64_t per_token = h_kv / heads;                                                     \
     _Pragma("omp parallel for schedule(static) reduction(|:failed)")                      \
-    for (int64_t task = 0; task < num_tokens * h_kv; task++) {                            \
-        int64_t t = task / h_kv, g = task % h_kv, start = starts[t], length = lengths[t];  \
+    for (int64_t task = 0; task < num_tokens * per_token; task++) {                       \
+        int64_t t = task / per_token, g0 = (task % per_token) * heads;                     \
+        int64_t start = starts[t], length = lengths[t];                                   \
         if (window > 0 && length > window) {                                              \
             start += length - window;                                                     \
             length = window;                                                              \
         }                                                                                 \
-        failed |= attend_one(q + t * q_stride + g * group * (d + d2), keys + g * d,        \
-                             keys2 + g * d2, values + g * dv, k_stride, k2_stride,        \
-                             v_stride, slots + start, length, group, d, d2, dv, scale,    \
-                             out + (t * h + g * group) * dv, dv, dot);                    \
+        failed |= attend_token(q + t * q_stride, keys, keys2, values, k_stride, k2_stride, \
+                               v_stride, slots + start, length, g0, heads, group, d, d2,  \
+                               dv, scale, out + t * h * dv, dot, softmax);                \
     }                                                                                     \
     return failed ? -1 : 0;
 
 /* the same loops three times: compiled for AVX-512 (16-lane scores; the compiler vectorizes
  * the dv loops with it), for AVX2 (8 lanes), and for any CPU */
-#define DEFINE_ATTEND(name, attributes, dot)                                              \
+#define DEFINE_ATTEND(name, attributes, dot, softmax)                                     \
     attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
                                const uint16_t *keys2, const uint16_t *values,             \
                                int64_t k_stride, int64_t k2_stride, int64_t v_stride,     \
@@ -128,12 +247,13 @@ static inline __attribute__((always_inline)) int attend_one(
                                const int64_t *lengths, int64_t num_tokens, int64_t h,      \
                                int64_t h_kv, int64_t d, int64_t d2, int64_t dv,            \
                                float scale, int64_t window, float *out) {                 \
-        ATTEND_ALL(dot)                                                                   \
+        ATTEND_ALL(dot, softmax)                                                          \
     }
 
-DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), dot_avx512)
-DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), dot_avx2)
-DEFINE_ATTEND(attend_plain, , dot_plain)
+DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
+              group_dot_avx512, softmax_avx512)
+DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2, softmax_avx2)
+DEFINE_ATTEND(attend_plain, , group_dot_plain, softmax_plain)
 
 /* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
  * 0, keys2 then unused) and values [., h_kv, dv]: the layer's store as flat slots (slot

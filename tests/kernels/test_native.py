@@ -152,6 +152,10 @@ def test_decode_attention_reads_keys_in_place(fast, window):
         mine = slots[starts[t]:starts[t] + lengths[t]]
         torch.testing.assert_close(got[t], _reference_attention(q[t], keys, values, mine, window),
                                    rtol=1e-4, atol=1e-5)
+    # one token alone is split by KV head over the threads, several by token: the same sums
+    alone = NATIVE.decode_attention(q[1:2], keys, values, slots, starts[1:2], lengths[1:2],
+                                    dim ** -0.5, window, fast=fast)
+    assert torch.equal(alone[0], got[1])
 
 
 def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():
