@@ -272,7 +272,8 @@ def diagnosis(r: dict) -> list[str]:
         f"ms at that rate, not {one['fused_moe_ms']:.1f}); beyond the GEMMs, the attention "
         f"half takes {one['glue']['attention']:.1f} ms (norms, rotary and KV write, attention "
         f"over the cached keys, residual: one native block a layer), MoE "
-        f"blocks outside the kernel {one['glue']['moe_block']:.1f} (routing, leases), and "
+        f"blocks outside the kernel {one['glue']['moe_block']:.1f} (the pager's hold and "
+        f"bookkeeping; routing and leases where a layer pages), and "
         f"{one['glue']['rest']:.1f} in the rest (norms, sampling, engine).",
     ]
 
