@@ -163,26 +163,97 @@ SOFTMAX_VEC(softmax_avx512, __attribute__((target("avx512f,avx512bw,avx512vl")))
             _mm512_slli_epi32, _mm512_add_epi32, _mm512_castsi512_ps, _mm512_loadu_ps,
             _mm512_storeu_ps, _mm512_reduce_max_ps, _mm512_reduce_add_ps)
 
+/* out[hq, :] = sum_j p[hq * length + j] * V[slots[j], :dv] for the hq < group query heads
+ * sharing one KV head (`values`: that head's part of the store's first row), each sum over
+ * the keys in order. The plain path widens a value row once and adds it into every head. */
+static void group_values_plain(const float *p, int group, int64_t length, const int64_t *slots,
+                               const uint16_t *values, int64_t v_stride, int64_t dv,
+                               float *out) {
+    for (int64_t i = 0; i < group * dv; i++)
+        out[i] = 0.0f;
+    for (int64_t j = 0; j < length; j++) {
+        const uint16_t *v = values + slots[j] * v_stride;
+        for (int hq = 0; hq < group; hq++)
+            for (int64_t i = 0; i < dv; i++)
+                out[hq * dv + i] += p[hq * length + j] * bf16_to_f32(v[i]);
+    }
+}
+
+/* The vector paths keep 2 x `lanes` values of up to four heads in registers over all the
+ * keys (the sums in memory cost a load and a store per FMA); a value row's slice is read
+ * from L1/L2 again for each slice and group of four heads. The last dv % (2 lanes) dims
+ * take the plain loop. */
+#define GROUP_VALUES(name, attributes, vec, lanes, zero, widen, fma, set1, store)              \
+    attributes static inline __attribute__((always_inline)) void name##_heads(              \
+            const float *p, int heads, int64_t length, const int64_t *slots,                \
+            const uint16_t *values, int64_t v_stride, int64_t dv, float *out) {             \
+        vec acc[4][2];                                                                      \
+        for (int hq = 0; hq < heads; hq++)                                                  \
+            acc[hq][0] = acc[hq][1] = zero();                                               \
+        for (int64_t j = 0; j < length; j++) {                                              \
+            const uint16_t *v = values + slots[j] * v_stride;                               \
+            vec w0 = widen(v), w1 = widen(v + lanes);                                       \
+            for (int hq = 0; hq < heads; hq++) {                                            \
+                vec pj = set1(p[hq * length + j]);                                          \
+                acc[hq][0] = fma(pj, w0, acc[hq][0]);                                       \
+                acc[hq][1] = fma(pj, w1, acc[hq][1]);                                       \
+            }                                                                               \
+        }                                                                                   \
+        for (int hq = 0; hq < heads; hq++) {                                                \
+            store(out + hq * dv, acc[hq][0]);                                               \
+            store(out + hq * dv + lanes, acc[hq][1]);                                       \
+        }                                                                                   \
+    }                                                                                       \
+    attributes static void name(const float *p, int group, int64_t length,                  \
+                                const int64_t *slots, const uint16_t *values,               \
+                                int64_t v_stride, int64_t dv, float *out) {                 \
+        int64_t i = 0;                                                                      \
+        for (; i + 2 * lanes <= dv; i += 2 * lanes) {                                       \
+            int h0 = 0;                                                                     \
+            for (; h0 + 4 <= group; h0 += 4)                                                \
+                name##_heads(p + h0 * length, 4, length, slots, values + i, v_stride, dv,   \
+                             out + h0 * dv + i);                                            \
+            for (; h0 < group; h0++)                                                        \
+                name##_heads(p + h0 * length, 1, length, slots, values + i, v_stride, dv,   \
+                             out + h0 * dv + i);                                            \
+        }                                                                                   \
+        for (int hq = 0; i < dv && hq < group; hq++)                                        \
+            for (int64_t c = i; c < dv; c++) {                                              \
+                float sum = 0.0f;                                                           \
+                for (int64_t j = 0; j < length; j++)                                        \
+                    sum += p[hq * length + j] * bf16_to_f32(values[slots[j] * v_stride + c]); \
+                out[hq * dv + c] = sum;                                                     \
+            }                                                                               \
+    }
+
+GROUP_VALUES(group_values_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
+             __m512, 16, _mm512_setzero_ps, widen16, _mm512_fmadd_ps, _mm512_set1_ps,
+             _mm512_storeu_ps)
+GROUP_VALUES(group_values_avx2, __attribute__((target("avx2,fma"))), __m256, 8,
+             _mm256_setzero_ps, widen8, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_storeu_ps)
+
+typedef void (*group_values_t)(const float *, int, int64_t, const int64_t *, const uint16_t *,
+                               int64_t, int64_t, float *);
 typedef void (*group_dot_t)(const float *, int, int64_t, const uint16_t *, int64_t, float *,
                             int64_t, int);
 
 /* One token over its keys, for KV heads [g0, g0 + heads) with their groups of query heads
  * (q, out: the token's rows; keys, keys2, values: the store's first rows). Keys run in the
  * outer loop, so each slot's row of those heads is read once, in order, and widened once for
- * a whole group; scores by `dot` (group_dot_avx512, _avx2 or _plain). Each query head's sums
- * run over the keys in order, whatever the heads a task takes. The dv loops are elementwise,
- * which the vector builds below get vectorized by the compiler. */
+ * a whole group; scores by `dot` (group_dot_avx512, _avx2 or _plain), the weighted values
+ * by `weigh` (group_values_*). Each query head's sums run over the keys in order, whatever the
+ * heads a task takes. */
 static inline __attribute__((always_inline)) int attend_token(
         const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
         int64_t k_stride, int64_t k2_stride, int64_t v_stride, const int64_t *slots,
         int64_t length, int64_t g0, int64_t heads, int group, int64_t d, int64_t d2,
         int64_t dv, float scale, float *out, group_dot_t dot,
-        void (*softmax)(float *, int64_t)) {
+        void (*softmax)(float *, int64_t), group_values_t weigh) {
     int64_t dq = d + d2, width = heads * group;          /* query heads in the task */
-    float *qf = malloc(sizeof(float) * (size_t)(width * dq + width * length + dv));
+    float *qf = malloc(sizeof(float) * (size_t)(width * dq + width * length));
     if (qf == NULL)
         return -1;
-    float *scores = qf + width * dq, *row = scores + width * length;
+    float *scores = qf + width * dq;
     q += g0 * group * dq;
     out += g0 * group * dv;
     for (int64_t i = 0; i < width * dq; i++)
@@ -196,29 +267,18 @@ static inline __attribute__((always_inline)) int attend_token(
                 dot(qg + d, group, dq, keys2 + slots[j] * k2_stride + (g0 + g) * d2, d2, sg,
                     length, 1);
         }
-    for (int64_t hq = 0; hq < width; hq++) {
+    for (int64_t hq = 0; hq < width; hq++)
         softmax(scores + hq * length, length);
-        for (int64_t i = 0; i < dv; i++)
-            out[hq * dv + i] = 0.0f;
-    }
-    for (int64_t j = 0; j < length; j++)
-        for (int64_t g = 0; g < heads; g++) {
-            const uint16_t *v = values + slots[j] * v_stride + (g0 + g) * dv;
-            for (int64_t i = 0; i < dv; i++)
-                row[i] = bf16_to_f32(v[i]);
-            for (int64_t hq = g * group; hq < (g + 1) * group; hq++) {
-                float p = scores[hq * length + j], *o = out + hq * dv;
-                for (int64_t i = 0; i < dv; i++)
-                    o[i] += p * row[i];
-            }
-        }
+    for (int64_t g = 0; g < heads; g++)
+        weigh(scores + g * group * length, group, length, slots, values + (g0 + g) * dv,
+              v_stride, dv, out + g * group * dv);
     free(qf);
     return 0;
 }
 
 /* A task is a token's every KV head where there are tokens enough to keep the threads busy,
  * else one (token, KV head) */
-#define ATTEND_ALL(dot, softmax)                                                          \
+#define ATTEND_ALL(dot, softmax, weigh)                                                       \
     int failed = 0;                                                                       \
     int group = (int)(h / h_kv);                                                          \
     int64_t heads = num_tokens >= omp_get_max_threads() ? h_kv : 1;                       \
@@ -233,13 +293,13 @@ static inline __attribute__((always_inline)) int attend_token(
         }                                                                                 \
         failed |= attend_token(q + t * q_stride, keys, keys2, values, k_stride, k2_stride, \
                                v_stride, slots + start, length, g0, heads, group, d, d2,  \
-                               dv, scale, out + t * h * dv, dot, softmax);                \
+                               dv, scale, out + t * h * dv, dot, softmax, weigh);         \
     }                                                                                     \
     return failed ? -1 : 0;
 
 /* the same loops three times: compiled for AVX-512 (16-lane scores; the compiler vectorizes
  * the dv loops with it), for AVX2 (8 lanes), and for any CPU */
-#define DEFINE_ATTEND(name, attributes, dot, softmax)                                     \
+#define DEFINE_ATTEND(name, attributes, dot, softmax, weigh)                               \
     attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
                                const uint16_t *keys2, const uint16_t *values,             \
                                int64_t k_stride, int64_t k2_stride, int64_t v_stride,     \
@@ -247,13 +307,14 @@ static inline __attribute__((always_inline)) int attend_token(
                                const int64_t *lengths, int64_t num_tokens, int64_t h,      \
                                int64_t h_kv, int64_t d, int64_t d2, int64_t dv,            \
                                float scale, int64_t window, float *out) {                 \
-        ATTEND_ALL(dot, softmax)                                                          \
+        ATTEND_ALL(dot, softmax, weigh)                                                   \
     }
 
 DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
-              group_dot_avx512, softmax_avx512)
-DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2, softmax_avx2)
-DEFINE_ATTEND(attend_plain, , group_dot_plain, softmax_plain)
+              group_dot_avx512, softmax_avx512, group_values_avx512)
+DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2, softmax_avx2,
+              group_values_avx2)
+DEFINE_ATTEND(attend_plain, , group_dot_plain, softmax_plain, group_values_plain)
 
 /* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
  * 0, keys2 then unused) and values [., h_kv, dv]: the layer's store as flat slots (slot
