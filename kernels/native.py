@@ -210,9 +210,10 @@ class NativeKernels:
         shape = layer.struct
         num_tokens, hidden, inter = h.shape[0], shape.hidden, shape.inter
         if (h.dim() != 2 or h.shape[1] != hidden or h.dtype != torch.bfloat16
-                or not h.is_contiguous() or not 1 <= num_tokens <= GEMV_MAX_ROWS):
-            raise ValueError(f"moe_block takes 1 to {GEMV_MAX_ROWS} contiguous bf16 rows of "
-                             f"{hidden}")
+                or not h.is_contiguous() or not 1 <= num_tokens <= GEMV_MAX_ROWS
+                or any(t.device.type != "cpu" for t in (h, slot_of, w13, w2))):
+            raise ValueError(f"moe_block takes 1 to {GEMV_MAX_ROWS} contiguous bf16 CPU rows "
+                             f"of {hidden}, and CPU pools")
         if (slot_of.dtype != torch.int32 or slot_of.shape != (shape.experts,)
                 or not slot_of.is_contiguous()):
             raise ValueError(f"moe_block takes a contiguous int32 slot map of {shape.experts}")
@@ -239,7 +240,7 @@ class NativeKernels:
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits `[T, E]` bf16 -> top-k weights `[T, k]` float32 and ids `[T, k]`
         int32, as `scoring` (a key of native_moe.SCORINGS) says: the routing `moe_block` does,
-        for the layers that page in waves."""
+        for the Python block's bf16 routing on a CPU (prefill, prefetch, paged layers)."""
         if (logits.dim() != 2 or logits.dtype != torch.bfloat16 or not logits.is_contiguous()
                 or scoring not in SCORINGS or not 0 < k <= logits.shape[1]):
             raise ValueError(f"route takes contiguous bf16 logits [T, E] and k <= E, got "
@@ -249,8 +250,10 @@ class NativeKernels:
         status = self._route(logits.data_ptr(), logits.shape[0], logits.shape[1], k,
                              SCORINGS[scoring], int(renormalize), scaling, weights.data_ptr(),
                              ids.data_ptr())
-        if status != 0:
+        if status == -2:
             raise MemoryError("route could not allocate its scores")
+        if status != 0:
+            raise ValueError(f"route refused k={k} of {logits.shape[1]} experts")
         return weights, ids
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -50,11 +50,12 @@ def check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
     """The pools' part of `check_experts`, with its cache."""
     pools = (w13, w2, scales)
     last = checked[0] if checked else None
-    if last is None or last[3] != hidden or any(
+    if last is None or last[3] != (hidden, inter) or any(
             (ref is None and pool is not None) or (ref is not None and ref() is not pool)
             for ref, pool in zip(last[:3], pools)):
         _check_pools(w13, w2, scales, hidden, inter)
-        checked[:] = [(*(None if t is None else weakref.ref(t) for t in pools), hidden)]
+        checked[:] = [(*(None if t is None else weakref.ref(t) for t in pools),
+                       (hidden, inter))]
 
 
 def _check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
@@ -68,7 +69,8 @@ def _check_pools(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | Non
             raise ValueError("moe_experts takes tensors contiguous per slot and per row")
     stored = (lambda r, c: (r, c)) if scales is None else scales.fmt.stored_shape
     if w13.shape[1:] != stored(2 * inter, hidden) or w2.shape[1:] != stored(hidden, inter):
-        raise ValueError("moe_experts' scratch and pools disagree with its rows")
+        raise ValueError(f"the experts' pools are not of hidden size {hidden} and "
+                         f"intermediate size {inter}")
     weight_dtype = torch.bfloat16 if scales is None else scales.fmt.storage_dtype
     if w13.dtype != weight_dtype or w2.dtype != weight_dtype or not native_format(scales):
         raise ValueError(f"moe_experts takes bf16 rows and bf16, int8 per channel, int4 or "
@@ -166,10 +168,11 @@ def moe_layer(router: torch.Tensor, router_bias: torch.Tensor | None, inter: int
     """The struct for one layer's router `[E, H]` (and bias `[E]`), bf16 and contiguous,
     routing as `scoring` (a key of SCORINGS) says."""
     num_experts, hidden = router.shape
-    for tensor, shape in ((router, (num_experts, hidden)), (router_bias, (num_experts,))):
+    for name, tensor, shape in (("router", router, (num_experts, hidden)),
+                                ("router bias", router_bias, (num_experts,))):
         if tensor is not None and (tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != shape
                                    or not tensor.is_contiguous() or tensor.device.type != "cpu"):
-            raise ValueError(f"moe_block takes a contiguous bf16 CPU router, got "
+            raise ValueError(f"moe_block takes a contiguous bf16 CPU {name}, got "
                              f"{tuple(tensor.shape)} {tensor.dtype} where {shape} was expected")
     if not 0 < top_k <= num_experts or scoring not in SCORINGS:
         raise ValueError(f"moe_block: top {top_k} of {num_experts} experts by {scoring!r}")

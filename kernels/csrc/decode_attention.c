@@ -19,6 +19,7 @@
 #include "bf16.h"
 #include "exported.h"
 #include "rows.h"
+#include "softmax.h"
 
 /* The scores of one key against a group of query heads: scores[hq * stride] (+)=
  * qf[hq * dq ..] . k[0 .. n) for hq < group (q float32, k bf16; `add`: onto what is there,
@@ -79,18 +80,9 @@ GROUP_DOT(group_dot_avx512, __attribute__((target("avx512f,avx512bw,avx512vl")))
 GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps,
           widen8, _mm256_fmadd_ps, _mm256_loadu_ps, sum8)
 
-/* p [n] = exp(p - max p) / their sum, in place. The vector paths' exp is Cephes' single
- * precision polynomial, 8 or 16 at a time: glibc's scalar expf is a call per key and head,
- * which dominated long contexts. */
-static void softmax_plain(float *p, int64_t n) {
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t j = 0; j < n; j++)
-        top = p[j] > top ? p[j] : top;
-    for (int64_t j = 0; j < n; j++)
-        total += (p[j] = expf(p[j] - top));
-    for (int64_t j = 0; j < n; j++)
-        p[j] /= total;
-}
+/* The softmax of a head's scores (softmax.h's softmax_plain for any CPU). The vector paths'
+ * exp is Cephes' single precision polynomial, 8 or 16 at a time: glibc's scalar expf is a call
+ * per key and head, which dominated long contexts. */
 
 #define EXP_POLY {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, \
                   1.6666665459e-1f, 5.0000001201e-1f}
@@ -276,14 +268,17 @@ static inline __attribute__((always_inline)) int attend_token(
     return 0;
 }
 
-/* A task is a token's every KV head where there are tokens enough to keep the threads busy,
- * else one (token, KV head) */
+/* A task is a token's every KV head where tokens are many times the threads, else one
+ * (token, KV head): whole tokens read each slot's row once, but too few of them leave a
+ * thread with a token more than the others. Claimed dynamically: lengths differ. */
+#define TOKENS_PER_THREAD 4
+
 #define ATTEND_ALL(dot, softmax, weigh)                                                       \
     int failed = 0;                                                                       \
     int group = (int)(h / h_kv);                                                          \
-    int64_t heads = num_tokens >= omp_get_max_threads() ? h_kv : 1;                       \
+    int64_t heads = num_tokens >= TOKENS_PER_THREAD * omp_get_max_threads() ? h_kv : 1;   \
     int64_t per_token = h_kv / heads;                                                     \
-    _Pragma("omp parallel for schedule(static) reduction(|:failed)")                      \
+    _Pragma("omp parallel for schedule(dynamic, 1) reduction(|:failed)")                  \
     for (int64_t task = 0; task < num_tokens * per_token; task++) {                       \
         int64_t t = task / per_token, g0 = (task % per_token) * heads;                     \
         int64_t start = starts[t], length = lengths[t];                                   \
@@ -297,8 +292,7 @@ static inline __attribute__((always_inline)) int attend_token(
     }                                                                                     \
     return failed ? -1 : 0;
 
-/* the same loops three times: compiled for AVX-512 (16-lane scores; the compiler vectorizes
- * the dv loops with it), for AVX2 (8 lanes), and for any CPU */
+/* the same loops three times: for AVX-512 (16 lanes), for AVX2 (8 lanes), and for any CPU */
 #define DEFINE_ATTEND(name, attributes, dot, softmax, weigh)                               \
     attributes static int name(const uint16_t *q, int64_t q_stride, const uint16_t *keys,  \
                                const uint16_t *keys2, const uint16_t *values,             \

@@ -19,6 +19,7 @@
 
 #include "bf16.h"
 #include "exported.h"
+#include "softmax.h"
 
 enum { SCORE_SOFTMAX_TOPK, SCORE_TOPK_SOFTMAX };
 
@@ -44,29 +45,18 @@ static void top_k(const float *v, int64_t n, int64_t k, int32_t *ids) {
     }
 }
 
-/* v [n] = softmax(v) in place */
-static void softmax(float *v, int64_t n) {
-    float max = v[0], sum = 0.0f;
-    for (int64_t i = 1; i < n; i++)
-        max = v[i] > max ? v[i] : max;
-    for (int64_t i = 0; i < n; i++)
-        sum += v[i] = expf(v[i] - max);
-    for (int64_t i = 0; i < n; i++)
-        v[i] /= sum;
-}
-
 /* one token's weights [k] and ids [k] from its bf16 logits [E]; `scores` [E] scratch */
 static void route(const uint16_t *logits, int64_t E, int64_t k, int scoring, int renormalize,
                   float scaling, float *scores, float *weights, int32_t *ids) {
     for (int64_t e = 0; e < E; e++)
         scores[e] = bf16_to_f32(logits[e]);
     if (scoring == SCORE_SOFTMAX_TOPK)
-        softmax(scores, E);
+        softmax_plain(scores, E);
     top_k(scores, E, k, ids);
     for (int64_t j = 0; j < k; j++)
         weights[j] = scores[ids[j]];
     if (scoring == SCORE_TOPK_SOFTMAX)
-        softmax(weights, k);
+        softmax_plain(weights, k);
     if (renormalize) {
         float sum = 0.0f;
         for (int64_t j = 0; j < k; j++)
@@ -97,6 +87,11 @@ int mox_route_bf16(const uint16_t *logits, int64_t T, int64_t E, int64_t k, int 
     return 0;
 }
 
+static int compare_keys(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* h [T, H] bf16 (contiguous): the layer's normed input. slot_of [E]: the layer's residency
  * table (read live: the pager holds its pool, so a published slot keeps its expert; slots
  * from num_slots on are not in these pools and count as missing). Out: weights [T, k] f32,
@@ -112,15 +107,15 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
     if (T < 1 || k < 1 || k > E || (L->scoring != SCORE_SOFTMAX_TOPK
                                     && L->scoring != SCORE_TOPK_SOFTMAX))
         return -1;
-    /* one allocation: the pairs' slots and order, runs (slots, starts, counts), then float
-     * and bf16 intermediates */
-    size_t i64s = (size_t)(5 * P), f32s = (size_t)(E + P + P * 2 * I + 2 * P * H + T * H);
+    /* one allocation: the pairs' sort keys, runs (slots, starts, counts), then float and
+     * bf16 intermediates */
+    size_t i64s = (size_t)(4 * P), f32s = (size_t)(E + P + P * 2 * I + P * H + T * H);
     size_t u16s = (size_t)(T * E + P * H + P * I);
     char *buf = malloc(8 * i64s + 4 * f32s + 2 * u16s);
     if (buf == NULL)
         return -2;
-    int64_t *pair_slot = (int64_t *)buf, *order = pair_slot + P, *slots = order + P;
-    int64_t *starts = slots + P, *counts = starts + P;
+    int64_t *order = (int64_t *)buf, *slots = order + P, *starts = slots + P;
+    int64_t *counts = starts + P;
     float *scores = (float *)(counts + P), *row_weights = scores + E;
     float *gate_up = row_weights + P, *down = gate_up + P * 2 * I, *sums = down + P * H;
     uint16_t *logits = (uint16_t *)(sums + T * H), *rows = logits + T * E, *act = rows + P * H;
@@ -136,20 +131,17 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
         route(logits + t * E, E, k, L->scoring, L->renormalize, L->scaling, scores,
               weights + t * k, ids + t * k);
     for (int64_t p = 0; p < P; p++) {
-        int64_t s = pair_slot[p] = slot_of[ids[p]];
+        int64_t s = slot_of[ids[p]];
         if (s < 0 || s >= num_slots) {
             status = 1;
             goto done;
         }
-        /* insertion into slot order, stable in p (P is a decode's few dozen pairs) */
-        int64_t j = p;
-        for (; j > 0 && pair_slot[order[j - 1]] > s; j--)
-            order[j] = order[j - 1];
-        order[j] = p;
+        order[p] = s << 32 | p;          /* sorted: by slot, then by pair (P < 2^32) */
     }
+    qsort(order, (size_t)P, sizeof(int64_t), compare_keys);
     int64_t num_active = 0;
     for (int64_t r = 0; r < P; r++) {
-        int64_t p = order[r], s = pair_slot[p];
+        int64_t p = order[r] & 0xffffffff, s = order[r] >> 32;
         if (num_active == 0 || slots[num_active - 1] != s) {
             slots[num_active] = s;
             starts[num_active] = r;
@@ -167,7 +159,7 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
     for (int64_t i = 0; i < T * H; i++)
         sums[i] = 0.0f;
     for (int64_t r = 0; r < P; r++) {
-        float *sum = sums + (order[r] / k) * H;
+        float *sum = sums + ((order[r] & 0xffffffff) / k) * H;
         for (int64_t i = 0; i < H; i++)
             sum[i] += down[r * H + i];
     }

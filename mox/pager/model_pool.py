@@ -56,10 +56,10 @@ class Lease:
 class Hold:
     """Every resident expert of one layer, readable without a lease while the hold lasts:
     `slot_of [E]` is the layer's live residency table (int32, NOT_RESIDENT where absent).
-    Meanwhile nothing is evicted or moved, so an expert it shows keeps its slot; loads that
-    commit only add experts (in slots a kernel must bound by the pools' first dim). The
-    holder sets `used` to the experts it computed from their slots (counted as hits when the
-    hold ends)."""
+    Meanwhile nothing is evicted, moved or grown, so an expert it shows keeps its slot; loads
+    that commit only add experts, in slots of these pools (the native block still bounds them
+    by the pools' first dim, as a defence). The holder sets `used` to the experts it computed
+    from their slots (counted as hits when the hold ends)."""
 
     moe_layer: int
     slot_of: torch.Tensor
@@ -173,20 +173,21 @@ class ModelPool(PagedPool):
         """A `Hold` on the layer's resident experts for one kernel call: a decode step that
         finds every expert it routes to resident needs no lease (the native block checks the
         table itself); the experts it names in `hold.used` count as a wave of hits would."""
-        pool = self.slot_pool
-        with self._lock:
-            self._check_not_parked()
-            pool.holds += 1
-            hold = Hold(moe_layer, pool.slot_of[moe_layer], *pool.in_use())
+        pool, hold = self.slot_pool, None
         try:
+            with self._lock:
+                self._check_not_parked()
+                hold = Hold(moe_layer, pool.slot_of[moe_layer], *pool.in_use())
+                pool.holds += 1
             yield hold
         finally:
-            with self._lock:
-                pool.holds -= 1
-                if hold.used is not None:
-                    self._record_hits(moe_layer, sorted(set(hold.used)))
-                self._drain()                # what waited for the hold (a shrink)
-                self._changed.notify_all()
+            if hold is not None:
+                with self._lock:
+                    pool.holds -= 1
+                    if hold.used is not None:
+                        self._record_hits(moe_layer, sorted(set(hold.used)))
+                    self._drain()            # what waited for the hold (a shrink)
+                    self._changed.notify_all()
 
     def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
         """`wave_steps` for a caller that blocks where reads are pending."""
@@ -308,7 +309,9 @@ class ModelPool(PagedPool):
         now, pool = self.clock(), self.slot_pool
         for expert in wanted:
             key = (moe_layer, expert)
-            self._count_hit(key, pool.slots[pool.lookup(key)], now)
+            index = pool.lookup(key)
+            assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+            self._count_hit(key, pool.slots[index], now)
         self.counters.waves += 1
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:

@@ -215,7 +215,8 @@ class PagedPool:
     def _compact_if_quiet(self) -> None:
         """Resize the pool tensors to the budget: growing keeps every slot where it is (leases
         keep reading the old tensors, whose pinned slots stay valid), so it only waits for
-        in-flight loads; shrinking moves experts, so it waits until nothing is pinned."""
+        in-flight loads and holds; shrinking moves experts, so it waits until nothing is
+        pinned or held."""
         pool = self.slot_pool
         if (pool.num_slots < pool.target_slots and not pool.holds
                 and not any(s.loading for s in pool.slots)):

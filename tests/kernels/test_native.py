@@ -5,6 +5,8 @@ entry point with and without them."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -138,24 +140,29 @@ def _reference_attention(q, keys, values, slots, window):
 
 @pytest.mark.parametrize("fast", PATHS)
 @pytest.mark.parametrize("window", [None, 3])
-def test_decode_attention_reads_keys_in_place(fast, window):
-    heads, kv_heads, dim, num_slots = 8, 2, 64, 60
+@pytest.mark.parametrize("dim", [64, 36])          # 36: past the vector loops' last whole step
+def test_decode_attention_reads_keys_in_place(fast, window, dim):
+    heads, kv_heads = 8, 2
+    # enough tokens for a task to take a token's every KV head (4 a thread), whatever the CPU
+    num_tokens = 4 * (os.cpu_count() or 1) + 1
+    lengths = torch.randint(1, 18, (num_tokens,), generator=torch.Generator().manual_seed(15))
+    starts = lengths.cumsum(0) - lengths
+    num_slots = 2 * int(lengths.sum())
     keys, values = _bf16(num_slots, kv_heads, dim, seed=12), _bf16(num_slots, kv_heads, dim,
                                                                    seed=13)
-    q = _bf16(3, heads, dim, seed=14)
-    lengths = torch.tensor([5, 17, 1])
-    starts = torch.tensor([0, 5, 22])
-    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(15))[:23]
+    q = _bf16(num_tokens, heads, dim, seed=14)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(16))
     got = NATIVE.decode_attention(q, keys, values, slots, starts, lengths, dim ** -0.5, window,
                                   fast=fast)
-    for t in range(3):
+    for t in range(num_tokens):
         mine = slots[starts[t]:starts[t] + lengths[t]]
         torch.testing.assert_close(got[t], _reference_attention(q[t], keys, values, mine, window),
                                    rtol=1e-4, atol=1e-5)
-    # one token alone is split by KV head over the threads, several by token: the same sums
-    alone = NATIVE.decode_attention(q[1:2], keys, values, slots, starts[1:2], lengths[1:2],
-                                    dim ** -0.5, window, fast=fast)
-    assert torch.equal(alone[0], got[1])
+    # one token alone is split by KV head over the threads, many by token: the same sums
+    t = int(lengths.argmax())
+    alone = NATIVE.decode_attention(q[t:t + 1], keys, values, slots, starts[t:t + 1],
+                                    lengths[t:t + 1], dim ** -0.5, window, fast=fast)
+    assert torch.equal(alone[0], got[t])
 
 
 def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():

@@ -102,7 +102,8 @@ def test_a_missing_expert_computes_nothing_and_hands_back_the_routing():
     layer = moe_layer(router, None, INTER, K, "softmax_topk", True, 1.0)
     weights, ids, out = NATIVE.moe_block(layer, h, slot_of, w13, w2)
     assert out is not None
-    for gone in (-1, SLOTS):             # not resident; a slot past these pools (it grew)
+    for gone in (-1, SLOTS):     # not resident; a slot past these pools (a defence: a hold
+                                 # keeps the pools from growing)
         partial = slot_of.clone()
         partial[ids[1, 2]] = gone
         got_weights, got_ids, out = NATIVE.moe_block(layer, h, partial, w13, w2)
@@ -119,7 +120,7 @@ def test_moe_block_refuses_what_it_cannot_take():
         NATIVE.moe_block(layer, h, slot_of.long(), w13, w2)
     with pytest.raises(ValueError, match="residual"):
         NATIVE.moe_block(layer, h, slot_of, w13, w2, residual=h[:1])
-    with pytest.raises(ValueError, match="pools disagree"):
+    with pytest.raises(ValueError, match="not of hidden size 64"):
         NATIVE.moe_block(layer, h, slot_of, w13[:, :, :32].contiguous(), w2)
     with pytest.raises(ValueError, match="router"):
         moe_layer(router.float(), None, INTER, K, "softmax_topk", True, 1.0)

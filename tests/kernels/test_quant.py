@@ -156,6 +156,27 @@ def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, m
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
+                    reason="no AVX512-BF16 / VNNI native kernels")
+@pytest.mark.parametrize("fmt", NATIVE_FORMATS)
+def test_the_native_moe_block_over_quantized_pools_equals_fused_moe(fmt):
+    """The decode block (csrc/moe_block.c) hands quantized pools (their scales, groups and
+    part rows) to the kernel as fused_moe does: the same bits for the routing it chose."""
+    from mox.kernels.native_moe import moe_layer
+
+    hidden, inter, num_experts = 256, 128, 8
+    (x, _, _, slot_of), (data13, data2, scales), _ = _quantized_problem(
+        fmt, 5, hidden, inter, num_experts=num_experts, num_slots=10, seed=4, num_missing=0)
+    h, residual = x.bfloat16(), torch.randn(5, hidden).bfloat16()
+    router = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(5))
+    layer = moe_layer(router.bfloat16(), None, inter, 2, "softmax_topk", True, 1.0)
+    weights, ids, out = NATIVE.moe_block(layer, h, slot_of.to(torch.int32), data13, data2,
+                                         scales, residual=residual)
+    want = fused_moe(h, data13, data2, weights, ids, slot_of, scales=scales,
+                     out_dtype=torch.float32)
+    assert out is not None and torch.equal(out, residual + want.bfloat16())
+
+
 @pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks it")
 def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
     hidden, inter = 128, 64
