@@ -116,11 +116,12 @@ class NativeKernels:
         route.restype = ctypes.c_int
         self._route = route
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
-        # float32 in registers); FP8 experts need the former, integer ones VNNI
+        # float32 in registers); FP8 experts need the former
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
         self.fast = self.isa != "plain"
         self.fast_bf16_dot = self.isa == "avx512bf16"
-        self.fast_quantized = bool(self._lib.mox_has_avx512vnni())
+        # integer experts (int8, int4, MXFP4): AVX512-VNNI, else AVX2's two-step byte dot
+        self.fast_quantized = self.fast
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
@@ -382,7 +383,7 @@ def _available() -> NativeKernels | None:
 
 def _fast(weights: str = "bf16") -> bool:
     """The fast path for these weights serves here: AVX512-BF16 or AVX2 + FMA for "bf16",
-    AVX512-BF16 for "fp8", AVX512-VNNI for "int" (int8, int4, MXFP4)."""
+    AVX512-BF16 for "fp8", AVX512-VNNI or AVX2 for "int" (int8, int4, MXFP4)."""
     native = _available()
     return native is not None and {"bf16": native.fast, "fp8": native.fast_bf16_dot,
                                    "int": native.fast_quantized}[weights]
@@ -401,8 +402,8 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales: ExpertScales | None = None, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None) -> bool:
-    """Whether `moe_experts`' fast path serves these experts here (int8, int4 and MXFP4 need
-    AVX512-VNNI, FP8 AVX512-BF16, bf16 that or AVX2 + FMA; biases must be bf16)."""
+    """Whether `moe_experts`' fast path serves these experts here (FP8 needs AVX512-BF16;
+    bf16, int8, int4 and MXFP4 that or AVX2 + FMA; biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
     weights = "bf16" if scales is None else "fp8" if scales.fmt.kind == FP8 else "int"
     integers = weights == "int"                                   # activations to int8

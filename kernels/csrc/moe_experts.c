@@ -7,7 +7,9 @@
  * decode compute-bound. VPDPBUSD takes unsigned bytes on one side: int8 weights are flipped
  * to w + 128, int4 nibbles are stored as v + 8, MXFP4 codes looked up as 2v + 12
  * (quant_rows.h), and the offset times the activations' block sums is subtracted once per
- * row. FP8 weights are widened to bf16 in registers and meet the bf16 activations. Built with
+ * row; CPUs with AVX2 but not VNNI take two instructions for it (quant_rows.h's
+ * block_dot_avx2). FP8 weights are widened to bf16 in registers and meet the bf16
+ * activations. Built with
  * every csrc/*.c into one library (mox/kernels/native.py); the plain-C paths compute the same
  * sums everywhere.
  */
@@ -28,6 +30,10 @@ int mox_has_avx512vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
+
+/* mox_has_avx512vnni, asked once (mox_moe_experts sets it before its threads start) rather
+ * than for every weight row */
+static int has_vnni = -1;
 
 /* the scales of row n: its part's block of rows */
 static inline const float *row_scales(pool_t p, int64_t s, int64_t n, int64_t K) {
@@ -51,7 +57,7 @@ static inline float activate(const gating_t *g, float gate, float up) {
 
 /* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools (AVX2:
  * pool_rows_block's tiles), the quantized `qx` for quantized ones; `isa`: the path (any but
- * ISA_PLAIN: the quantized pools' VNNI loops) */
+ * ISA_PLAIN: the quantized pools' VNNI loops where the CPU has VNNI, else their AVX2 ones) */
 static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
                           pool_t p, int64_t s, int64_t n, float *out, int64_t ldy, int64_t K,
                           int isa) {
@@ -60,7 +66,7 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
                  ldy, K, isa);
         return;
     }
-    int fast = isa != ISA_PLAIN;
+    int fast = isa != ISA_PLAIN, vnni = fast && has_vnni;
     int64_t row_bytes = p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_FP8 ? K : K / 2;
     const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
     const float *wscale = row_scales(p, s, n, K);
@@ -79,10 +85,14 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
     }
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        if (fast && p.group == 32)                      /* MXFP4, int4 in groups of 32 */
+        if (vnni && p.group == 32)                      /* MXFP4, int4 in groups of 32 */
             row_g32_vnni(qx, first + c, m, row, p.kind, wscale, out + c * ldy, ldy);
-        else if (fast)
+        else if (vnni)
             row_q_vnni(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
+        else if (fast && p.group == 32)
+            row_g32_avx2(qx, first + c, m, row, p.kind, wscale, out + c * ldy, ldy);
+        else if (fast)
+            row_q_avx2(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
         else
             row_q_plain(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
     }
@@ -146,13 +156,15 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     int quantized = p13.kind != WEIGHTS_BF16 && p13.kind != WEIGHTS_FP8;
     int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
     int isa = fast ? mox_vector_isa() : ISA_PLAIN;
+    if (has_vnni < 0)
+        has_vnni = mox_has_avx512vnni();
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || isa == ISA_PLAIN
                                || (p13.kind == WEIGHTS_FP8 && isa != ISA_AVX512BF16)))
         return -1;
     if (p13.kind == WEIGHTS_FP8 && ((p13.group && p13.group % 32) || (p13.group && H % p13.group)
                                     || (p2.group && I % p2.group)))
         return -1;
-    if (quantized && (H % QBLOCK || I % QBLOCK || (fast && !mox_has_avx512vnni())
+    if (quantized && (H % QBLOCK || I % QBLOCK || (fast && isa == ISA_PLAIN)
                       || (p13.kind == WEIGHTS_INT4 && ((p13.group % QBLOCK && p13.group != 32)
                                                        || H % p13.group || I % p13.group))
                       || (p13.kind == WEIGHTS_MXFP4 && p13.group != 32)))

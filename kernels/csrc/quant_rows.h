@@ -3,7 +3,8 @@
  * with one float scale each; VPDPBUSD multiplies 64 unsigned weight bytes by 64 signed
  * activation bytes, so weights are held as unsigned values with an offset (int8: w + 128,
  * int4: v + 8 as stored, MXFP4: 2v + 12 from its E2M1 codes), the offset's share subtracted
- * from the sums. FP8 (E4M3) weights are not integers: they meet the bf16 activations as they
+ * from the sums; without VNNI, AVX2 does the same in two steps (block_dot_avx2). FP8 (E4M3)
+ * weights are not integers: they meet the bf16 activations as they
  * are, each byte widened to bf16 in registers (its exponent rebiased) for AVX512-BF16.
  */
 #ifndef MOX_QUANT_ROWS_H
@@ -135,6 +136,95 @@ static void row_q_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, 
     }
     for (int m = 0; m < M; m++)
         out[m * ldy] = _mm512_reduce_add_ps(total[m]) - offset * corr[m];
+}
+
+/* The AVX2 forms of the two row functions above, for CPUs without VNNI. VPMADDUBSW multiplies
+ * unsigned by signed bytes into int16 pairs, which saturate: int4's v + 8 and MXFP4's 2v + 12
+ * stay far below that, and int8 goes as |w| times x with w's sign (no offset, so none to
+ * subtract). VPMADDWD then sums the pairs into int32. A block of 64 is two halves of 32 bytes
+ * (packed: the low nibbles, then the high), each lane of the sum covering 4 bytes of both. */
+__attribute__((target("avx2,fma")))
+static inline __m256i block_dot_avx2(const uint8_t *row, int64_t k, int kind,
+                                     const int8_t *xq) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32)), w0, w1;
+    if (kind == WEIGHTS_INT8) {
+        w0 = _mm256_loadu_si256((const __m256i *)(row + k));
+        w1 = _mm256_loadu_si256((const __m256i *)(row + k + 32));
+        x0 = _mm256_sign_epi8(x0, w0);                  /* x times w's sign, then |w| */
+        x1 = _mm256_sign_epi8(x1, w1);
+        w0 = _mm256_sign_epi8(w0, w0);
+        w1 = _mm256_sign_epi8(w1, w1);
+    } else {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2));
+        __m256i low = _mm256_set1_epi8(15);
+        w0 = _mm256_and_si256(b, low);
+        w1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        if (kind == WEIGHTS_MXFP4) {                    /* a table lookup per byte */
+            __m256i table = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)MXFP4_BYTES));
+            w0 = _mm256_shuffle_epi8(table, w0);
+            w1 = _mm256_shuffle_epi8(table, w1);
+        }
+    }
+    __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+}
+
+/* row_g32_vnni on AVX2: lanes 0-3 of each half's sums hold the first group of 32 values,
+ * lanes 4-7 the second */
+__attribute__((target("avx2,fma")))
+static void row_g32_avx2(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                         const float *wscale, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK;
+    float offset = kind == WEIGHTS_INT4 ? 8.0f : MXFP4_OFFSET;
+    float unit = kind == WEIGHTS_INT4 ? 1.0f : 0.5f, corr[MAX_ROWS] = {0};
+    __m256 acc[MAX_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += QBLOCK) {
+        float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];
+        __m256 scales = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+        for (int m = 0; m < M; m++) {
+            int64_t b = (m0 + m) * nb + k / QBLOCK;
+            __m256i d = block_dot_avx2(row, k, kind, x->q + b * QBLOCK);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                     _mm256_mul_ps(scales, _mm256_set1_ps(x->scale[b])), acc[m]);
+            corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = unit * (sum8(acc[m]) - offset * corr[m]);
+}
+
+/* row_q_vnni on AVX2 */
+__attribute__((target("avx2,fma")))
+static void row_q_avx2(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
+                       const float *wscale, int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
+    float offset = kind == WEIGHTS_INT8 ? 0.0f : 8.0f, corr[MAX_ROWS] = {0};
+    __m256 total[MAX_ROWS];
+    for (int m = 0; m < M; m++) total[m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += span) {
+        __m256 acc[MAX_ROWS];
+        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
+            for (int m = 0; m < M; m++) {
+                int64_t b = (m0 + m) * nb + k / QBLOCK;
+                __m256i d = block_dot_avx2(row, k, kind, x->q + b * QBLOCK);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(x->scale[b]),
+                                         acc[m]);
+                block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            total[m] = _mm256_fmadd_ps(acc[m], _mm256_set1_ps(ws), total[m]);
+            corr[m] += ws * block_sums[m];
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = sum8(total[m]) - offset * corr[m];
 }
 
 /* the stored weight at lane i of block b (packed: deinterleaved as the activations), as an
