@@ -63,7 +63,7 @@ static const uint8_t MXFP4_BYTES[16] = {12, 13, 14, 15, 16, 18, 20, 24,
 /* 64 weights as unsigned bytes: int8 + 128, int4 nibbles (v + 8; low nibbles, then high), or
  * MXFP4 codes mapped to 2v + 12 */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
+static inline __m512i weight_bytes_vnni(const uint8_t *row, int64_t k, int kind) {
     if (kind == WEIGHTS_INT8)
         return _mm512_xor_si512(_mm512_loadu_si512(row + k), _mm512_set1_epi8((char)0x80));
     __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), low = _mm256_set1_epi8(15);
@@ -75,157 +75,131 @@ static inline __m512i weight_bytes(const uint8_t *row, int64_t k, int kind) {
     return _mm512_shuffle_epi8(table, nibbles);          /* a table lookup per byte */
 }
 
-/* one packed weight row with a scale per 32 values (MXFP4, or int4 in groups of 32) against
- * quantized x rows m0 .. m0 + M: a block of 64 holds two groups, whose dot products land in
- * alternate quarters of the VPDPBUSD result (groups' values deinterleaved as the nibbles
- * unpack), so the scales go on as one vector */
+/* a block's 64 weights (weight_bytes_vnni) against 64 activation bytes: int32 sums of 4 bytes */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void row_g32_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                         const float *wscale, float *out, int64_t ldy) {
-    int64_t K = x->K, nb = K / QBLOCK;
-    /* the bytes hold int4's v + 8, or MXFP4's 2v + 12 (halved at the end) */
-    float offset = kind == WEIGHTS_INT4 ? 8.0f : MXFP4_OFFSET;
-    float unit = kind == WEIGHTS_INT4 ? 1.0f : 0.5f, corr[MAX_ROWS] = {0};
-    __m512 acc[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += QBLOCK) {
-        __m512i w = weight_bytes(row, k, kind);
-        float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];
-        __m512 scales = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
-        for (int m = 0; m < M; m++) {
-            int64_t b = (m0 + m) * nb + k / QBLOCK;
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                            _mm512_loadu_si512(x->q + b * QBLOCK));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                                     _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b])), acc[m]);
-            corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];
-        }
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = unit * (_mm512_reduce_add_ps(acc[m]) - offset * corr[m]);
+static inline __m512i block_dot_vnni(__m512i w, const int8_t *xq, int kind) {
+    (void)kind;
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq));
 }
 
-/* one quantized weight row (K values; scales per `group` inputs, 0: one per row) against
- * quantized x rows m0 .. m0 + M */
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void row_q_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                       const float *wscale, int64_t group, float *out, int64_t ldy) {
-    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
-    float offset = kind == WEIGHTS_INT8 ? 128.0f : 8.0f, corr[MAX_ROWS] = {0};
-    __m512 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += span) {
-        __m512 acc[MAX_ROWS];
-        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
-            __m512i w = weight_bytes(row, k, kind);
-            for (int m = 0; m < M; m++) {
-                int64_t b = (m0 + m) * nb + k / QBLOCK;
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                                _mm512_loadu_si512(x->q + b * QBLOCK));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(x->scale[b]),
-                                         acc[m]);
-                block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(ws), total[m]);
-            corr[m] += ws * block_sums[m];
-        }
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = _mm512_reduce_add_ps(total[m]) - offset * corr[m];
+/* a block's two groups of 32 (packed: deinterleaved) land in alternate quarters */
+__attribute__((target("avx512f")))
+static inline __m512 group_scales_vnni(float s0, float s1) {
+    return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
 }
 
-/* The AVX2 forms of the two row functions above, for CPUs without VNNI. VPMADDUBSW multiplies
- * unsigned by signed bytes into int16 pairs, which saturate: int4's v + 8 and MXFP4's 2v + 12
- * stay far below that, and int8 goes as |w| times x with w's sign (no offset, so none to
- * subtract). VPMADDWD then sums the pairs into int32. A block of 64 is two halves of 32 bytes
- * (packed: the low nibbles, then the high), each lane of the sum covering 4 bytes of both. */
+/* On AVX2 without VNNI, VPMADDUBSW multiplies unsigned by signed bytes into int16 pairs, which
+ * saturate: int4's v + 8 and MXFP4's 2v + 12 stay far below that, and int8 goes as |w| times x
+ * with w's sign (so the int8 offset is 0: nothing to subtract). VPMADDWD then sums the pairs
+ * into int32. A block of 64 is two halves of 32 bytes (packed: the low nibbles, then the
+ * high), each lane of the sum covering 4 bytes of both. */
+typedef struct {
+    __m256i w0, w1;               /* int8: as stored (signed); packed: unsigned bytes */
+} bytes_avx2_t;
+
 __attribute__((target("avx2,fma")))
-static inline __m256i block_dot_avx2(const uint8_t *row, int64_t k, int kind,
-                                     const int8_t *xq) {
-    __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
-    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32)), w0, w1;
+static inline bytes_avx2_t weight_bytes_avx2(const uint8_t *row, int64_t k, int kind) {
+    bytes_avx2_t w;
     if (kind == WEIGHTS_INT8) {
-        w0 = _mm256_loadu_si256((const __m256i *)(row + k));
-        w1 = _mm256_loadu_si256((const __m256i *)(row + k + 32));
-        x0 = _mm256_sign_epi8(x0, w0);                  /* x times w's sign, then |w| */
-        x1 = _mm256_sign_epi8(x1, w1);
-        w0 = _mm256_sign_epi8(w0, w0);
-        w1 = _mm256_sign_epi8(w1, w1);
-    } else {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2));
-        __m256i low = _mm256_set1_epi8(15);
-        w0 = _mm256_and_si256(b, low);
-        w1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        if (kind == WEIGHTS_MXFP4) {                    /* a table lookup per byte */
-            __m256i table = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)MXFP4_BYTES));
-            w0 = _mm256_shuffle_epi8(table, w0);
-            w1 = _mm256_shuffle_epi8(table, w1);
-        }
+        w.w0 = _mm256_loadu_si256((const __m256i *)(row + k));
+        w.w1 = _mm256_loadu_si256((const __m256i *)(row + k + 32));
+        return w;
+    }
+    __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), low = _mm256_set1_epi8(15);
+    w.w0 = _mm256_and_si256(b, low);
+    w.w1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    if (kind == WEIGHTS_MXFP4) {                        /* a table lookup per byte */
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_BYTES));
+        w.w0 = _mm256_shuffle_epi8(table, w.w0);
+        w.w1 = _mm256_shuffle_epi8(table, w.w1);
+    }
+    return w;
+}
+
+__attribute__((target("avx2,fma")))
+static inline __m256i block_dot_avx2(bytes_avx2_t w, const int8_t *xq, int kind) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+    if (kind == WEIGHTS_INT8) {                         /* x times w's sign, then |w| */
+        x0 = _mm256_sign_epi8(x0, w.w0);
+        x1 = _mm256_sign_epi8(x1, w.w1);
+        w.w0 = _mm256_sign_epi8(w.w0, w.w0);
+        w.w1 = _mm256_sign_epi8(w.w1, w.w1);
     }
     __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w.w0, x0), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(w.w1, x1), ones));
 }
 
-/* row_g32_vnni on AVX2: lanes 0-3 of each half's sums hold the first group of 32 values,
- * lanes 4-7 the second */
+/* lanes 0-3 of each half's sums hold a block's first group of 32, lanes 4-7 the second */
 __attribute__((target("avx2,fma")))
-static void row_g32_avx2(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                         const float *wscale, float *out, int64_t ldy) {
-    int64_t K = x->K, nb = K / QBLOCK;
-    float offset = kind == WEIGHTS_INT4 ? 8.0f : MXFP4_OFFSET;
-    float unit = kind == WEIGHTS_INT4 ? 1.0f : 0.5f, corr[MAX_ROWS] = {0};
-    __m256 acc[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += QBLOCK) {
-        float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];
-        __m256 scales = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-        for (int m = 0; m < M; m++) {
-            int64_t b = (m0 + m) * nb + k / QBLOCK;
-            __m256i d = block_dot_avx2(row, k, kind, x->q + b * QBLOCK);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                                     _mm256_mul_ps(scales, _mm256_set1_ps(x->scale[b])), acc[m]);
-            corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];
-        }
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = unit * (sum8(acc[m]) - offset * corr[m]);
+static inline __m256 group_scales_avx2(float s0, float s1) {
+    return _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
 }
 
-/* row_q_vnni on AVX2 */
-__attribute__((target("avx2,fma")))
-static void row_q_avx2(const qrows_t *x, int64_t m0, int M, const uint8_t *row, int kind,
-                       const float *wscale, int64_t group, float *out, int64_t ldy) {
-    int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;
-    float offset = kind == WEIGHTS_INT8 ? 0.0f : 8.0f, corr[MAX_ROWS] = {0};
-    __m256 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += span) {
-        __m256 acc[MAX_ROWS];
-        float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t k = g0; k < g0 + span; k += QBLOCK) {
-            for (int m = 0; m < M; m++) {
-                int64_t b = (m0 + m) * nb + k / QBLOCK;
-                __m256i d = block_dot_avx2(row, k, kind, x->q + b * QBLOCK);
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(x->scale[b]),
-                                         acc[m]);
-                block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            total[m] = _mm256_fmadd_ps(acc[m], _mm256_set1_ps(ws), total[m]);
-            corr[m] += ws * block_sums[m];
-        }
+/* The two row loops for each of those: `isa` the suffix of the helpers above, `int8_offset`
+ * what its int8 bytes hold beyond the value (VNNI: w + 128; AVX2: none).
+ * row_g32_*: one packed weight row with a scale per 32 values (MXFP4, or int4 in groups of
+ * 32) against quantized x rows m0 .. m0 + M, a block's two groups' scales as one vector.
+ * row_q_*: one quantized weight row (K values; scales per `group` inputs, 0: one per row). */
+#define QUANT_ROWS(isa, attributes, vec, wvec, zero, cvt, fma, mul, set1, reduce, int8_offset) \
+    attributes static void row_g32_##isa(const qrows_t *x, int64_t m0, int M,                \
+                                         const uint8_t *row, int kind, const float *wscale,  \
+                                         float *out, int64_t ldy) {                          \
+        int64_t K = x->K, nb = K / QBLOCK;                                                   \
+        /* the bytes hold int4's v + 8, or MXFP4's 2v + 12 (halved at the end) */            \
+        float offset = kind == WEIGHTS_INT4 ? 8.0f : MXFP4_OFFSET;                           \
+        float unit = kind == WEIGHTS_INT4 ? 1.0f : 0.5f, corr[MAX_ROWS] = {0};               \
+        vec acc[MAX_ROWS];                                                                   \
+        for (int m = 0; m < M; m++) acc[m] = zero();                                         \
+        for (int64_t k = 0; k < K; k += QBLOCK) {                                            \
+            wvec w = weight_bytes##_##isa(row, k, kind);                                     \
+            float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];                              \
+            vec scales = group_scales_##isa(s0, s1);                                         \
+            for (int m = 0; m < M; m++) {                                                    \
+                int64_t b = (m0 + m) * nb + k / QBLOCK;                                      \
+                vec d = cvt(block_dot_##isa(w, x->q + b * QBLOCK, kind));                    \
+                acc[m] = fma(d, mul(scales, set1(x->scale[b])), acc[m]);                     \
+                corr[m] += s0 * x->sum32[2 * b] + s1 * x->sum32[2 * b + 1];                  \
+            }                                                                                \
+        }                                                                                    \
+        for (int m = 0; m < M; m++)                                                          \
+            out[m * ldy] = unit * (reduce(acc[m]) - offset * corr[m]);                       \
+    }                                                                                        \
+    attributes static void row_q_##isa(const qrows_t *x, int64_t m0, int M,                  \
+                                       const uint8_t *row, int kind, const float *wscale,    \
+                                       int64_t group, float *out, int64_t ldy) {             \
+        int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;                         \
+        float offset = kind == WEIGHTS_INT8 ? int8_offset : 8.0f, corr[MAX_ROWS] = {0};      \
+        vec total[MAX_ROWS];                                                                 \
+        for (int m = 0; m < M; m++) total[m] = zero();                                       \
+        for (int64_t g0 = 0; g0 < K; g0 += span) {                                           \
+            vec acc[MAX_ROWS];                                                               \
+            float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];                        \
+            for (int m = 0; m < M; m++) acc[m] = zero();                                     \
+            for (int64_t k = g0; k < g0 + span; k += QBLOCK) {                               \
+                wvec w = weight_bytes##_##isa(row, k, kind);                                 \
+                for (int m = 0; m < M; m++) {                                                \
+                    int64_t b = (m0 + m) * nb + k / QBLOCK;                                  \
+                    vec d = cvt(block_dot_##isa(w, x->q + b * QBLOCK, kind));                \
+                    acc[m] = fma(d, set1(x->scale[b]), acc[m]);                              \
+                    block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];                  \
+                }                                                                            \
+            }                                                                                \
+            for (int m = 0; m < M; m++) {                                                    \
+                total[m] = fma(acc[m], set1(ws), total[m]);                                  \
+                corr[m] += ws * block_sums[m];                                               \
+            }                                                                                \
+        }                                                                                    \
+        for (int m = 0; m < M; m++)                                                          \
+            out[m * ldy] = reduce(total[m]) - offset * corr[m];                              \
     }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = sum8(total[m]) - offset * corr[m];
-}
+
+QUANT_ROWS(vnni, __attribute__((target("avx512f,avx512bw,avx512vnni"))), __m512, __m512i,
+           _mm512_setzero_ps, _mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,
+           _mm512_set1_ps, _mm512_reduce_add_ps, 128.0f)
+QUANT_ROWS(avx2, __attribute__((target("avx2,fma"))), __m256, bytes_avx2_t, _mm256_setzero_ps,
+           _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_ps, sum8, 0.0f)
 
 /* the stored weight at lane i of block b (packed: deinterleaved as the activations), as an
  * integer: int8 and int4 values, MXFP4's 2v */
