@@ -116,12 +116,10 @@ class NativeKernels:
         route.restype = ctypes.c_int
         self._route = route
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
-        # float32 in registers); FP8 experts need the former
+        # float32 in registers; integer experts through AVX512-VNNI where the CPU has it, else
+        # AVX2's two-step byte dot)
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
         self.fast = self.isa != "plain"
-        self.fast_bf16_dot = self.isa == "avx512bf16"
-        # integer experts (int8, int4, MXFP4): AVX512-VNNI, else AVX2's two-step byte dot
-        self.fast_quantized = self.fast
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
@@ -381,12 +379,10 @@ def _available() -> NativeKernels | None:
     return None if _OFF.get() else kernels()
 
 
-def _fast(weights: str = "bf16") -> bool:
-    """The fast path for these weights serves here: AVX512-BF16 or AVX2 + FMA for "bf16",
-    AVX512-BF16 for "fp8", AVX512-VNNI or AVX2 for "int" (int8, int4, MXFP4)."""
+def _fast() -> bool:
+    """The fast paths serve here: AVX512-BF16, or AVX2 + FMA (every weight format)."""
     native = _available()
-    return native is not None and {"bf16": native.fast, "fp8": native.fast_bf16_dot,
-                                   "int": native.fast_quantized}[weights]
+    return native is not None and native.fast
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -402,14 +398,13 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 def takes_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales: ExpertScales | None = None, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None) -> bool:
-    """Whether `moe_experts`' fast path serves these experts here (FP8 needs AVX512-BF16;
-    bf16, int8, int4 and MXFP4 that or AVX2 + FMA; biases must be bf16)."""
+    """Whether `moe_experts`' fast path serves these experts here (AVX512-BF16 or AVX2 + FMA;
+    biases must be bf16)."""
     hidden, inter = rows.shape[1], w13.shape[1] // 2
-    weights = "bf16" if scales is None else "fp8" if scales.fmt.kind == FP8 else "int"
-    integers = weights == "int"                                   # activations to int8
+    integers = scales is not None and scales.fmt.kind != FP8        # activations to int8
     multiple = max(QUANT_BLOCK if integers else K_MULTIPLE,
                    0 if scales is None else scales.fmt.block_cols)
-    return (_fast(weights) and rows.device.type == "cpu"
+    return (_fast() and rows.device.type == "cpu"
             and rows.dtype == torch.bfloat16 and native_format(scales)
             and all(b is None or b.dtype == torch.bfloat16 for b in (b13, b2))
             and hidden % multiple == 0 and inter % multiple == 0)

@@ -77,6 +77,9 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
             if (isa == ISA_AVX512BF16)
                 row_fp8_avx512(xc, K, m, row, wscale, p.group ? p.group : K, K,
                                out + c * ldy, ldy);
+            else if (isa == ISA_AVX2)
+                row_fp8_avx2(xc, K, m, row, wscale, p.group ? p.group : K, K,
+                             out + c * ldy, ldy);
             else
                 row_fp8_plain(xc, K, m, row, wscale, p.group ? p.group : K, K,
                               out + c * ldy, ldy);
@@ -159,7 +162,7 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     if (has_vnni < 0)
         has_vnni = mox_has_avx512vnni();
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || isa == ISA_PLAIN
-                               || (p13.kind == WEIGHTS_FP8 && isa != ISA_AVX512BF16)))
+                               || (p13.kind == WEIGHTS_FP8 && isa == ISA_PLAIN)))
         return -1;
     if (p13.kind == WEIGHTS_FP8 && ((p13.group && p13.group % 32) || (p13.group && H % p13.group)
                                     || (p2.group && I % p2.group)))

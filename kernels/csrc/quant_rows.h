@@ -5,7 +5,8 @@
  * int4: v + 8 as stored, MXFP4: 2v + 12 from its E2M1 codes), the offset's share subtracted
  * from the sums; without VNNI, AVX2 does the same in two steps (block_dot_avx2). FP8 (E4M3)
  * weights are not integers: they meet the bf16 activations as they
- * are, each byte widened to bf16 in registers (its exponent rebiased) for AVX512-BF16.
+ * are, each byte widened to bf16 in registers (its exponent rebiased) for AVX512-BF16, or
+ * both widened to float32 for AVX2.
  */
 #ifndef MOX_QUANT_ROWS_H
 #define MOX_QUANT_ROWS_H
@@ -276,6 +277,43 @@ static void row_fp8_avx512(const uint16_t *x, int64_t ldx, int M, const uint8_t 
     }
     for (int m = 0; m < M; m++)
         out[m * ldy] = _mm512_reduce_add_ps(total[m]);
+}
+
+/* 8 FP8 weights as float32: normals rebias the exponent as fp8_to_bf16 does (the field sits
+ * 20 bits further up in a float), subnormals are m * 2^-9, exact in a float */
+__attribute__((target("avx2,fma")))
+static inline __m256 fp8_as_f32(const uint8_t *w) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20),
+                                                         _mm256_set1_epi32(120 << 23)));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f));
+    __m256 tiny = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+    return _mm256_or_ps(_mm256_castsi256_ps(sign), _mm256_blendv_ps(normal, sub, tiny));
+}
+
+/* row_fp8_avx512 on AVX2: the weights and the bf16 activations widened to float32, 8 at a
+ * time (`span` a multiple of 8) */
+__attribute__((target("avx2,fma")))
+static void row_fp8_avx2(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
+                         const float *wscale, int64_t span, int64_t K, float *out,
+                         int64_t ldy) {
+    __m256 total[MAX_ROWS];
+    for (int m = 0; m < M; m++) total[m] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += span) {
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + span; k += 8) {
+            __m256 w = fp8_as_f32(row + k);
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(widen8(x + m * ldx + k), w, acc[m]);
+        }
+        for (int m = 0; m < M; m++)
+            total[m] = _mm256_fmadd_ps(acc[m], _mm256_set1_ps(wscale[g0 / span]), total[m]);
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldy] = sum8(total[m]);
 }
 
 static void row_fp8_plain(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,

@@ -134,10 +134,10 @@ NATIVE_FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"),
                   pytest.param(WeightFormat("int4", 1, 32), id="int4-g32"),
                   pytest.param(MXFP4_GROUP32, id="mxfp4"),
                   pytest.param(FP8_BLOCK128, id="fp8-b128", marks=pytest.mark.skipif(
-                      NATIVE is None or not NATIVE.fast_bf16_dot, reason="FP8 needs AVX512-BF16"))]
+                      NATIVE is None or not NATIVE.fast, reason="no vector native kernels"))]
 
 
-@pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
+@pytest.mark.skipif(NATIVE is None or not NATIVE.fast,
                     reason="no vector native kernels (AVX2 or AVX-512)")
 @pytest.mark.parametrize("fmt", NATIVE_FORMATS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])
@@ -156,7 +156,7 @@ def test_quantized_decode_takes_the_native_kernel_and_matches(fmt, num_tokens, m
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.skipif(NATIVE is None or not NATIVE.fast_quantized,
+@pytest.mark.skipif(NATIVE is None or not NATIVE.fast,
                     reason="no vector native kernels (AVX2 or AVX-512)")
 @pytest.mark.parametrize("fmt", NATIVE_FORMATS)
 def test_the_native_moe_block_over_quantized_pools_equals_fused_moe(fmt):
@@ -205,13 +205,11 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
                                  pytest.param(WeightFormat("fp8", 48, 32), id="fp8-b48x32"),
                                  pytest.param(WeightFormat("fp8"), id="fp8-channel")])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
-    NATIVE is None or not NATIVE.fast_quantized, reason="this CPU has no AVX2"))])
+    NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX2"))])
 def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     """Against the definition with the kernel's activation quantization (int8, one scale per
     64 values, round half to even) applied to its inputs (FP8 meets bf16 activations as they
     are)."""
-    if fast and fmt.kind == "fp8" and not NATIVE.fast_bf16_dot:
-        pytest.skip("FP8's fast path needs AVX512-BF16")
     hidden, inter, counts, slots = 128, 64, [2, 1, 9], [4, 0, 2]   # (48-row blocks: ragged)
     x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
     data13, data2, scales = _quantized_pool(w13, w2, fmt)
@@ -263,7 +261,7 @@ def test_triton_dequantizes_inside_the_k_loop(fmt, num_tokens, monkeypatch):
 
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=pytest.mark.skipif(
-    NATIVE is None or not NATIVE.fast_bf16_dot, reason="this CPU has no AVX512-BF16"))])
+    NATIVE is None or not NATIVE.fast, reason="this CPU has no AVX2"))])
 def test_fp8_bytes_decode_as_torchs_e4m3(fast):
     """Every E4M3 byte but NaN (subnormals, both signs, the largest): a one-hot row reads one
     column of the pool, so the kernel's gate_up scratch holds the weights as it decoded
