@@ -12,37 +12,10 @@ from mox.kernels import native
 from mox.models.attention import native_layer
 from mox.models.forward_batch import ForwardBatch
 from tests.conftest import open_tiny
+from tests.models.decode_batch import decode_batch
 
 pytestmark = pytest.mark.skipif(native.kernels() is None or not native.kernels().fast,
                                 reason="no native vector kernels on this machine")
-PROMPTS = (3, 9, 5)          # tokens per sequence (past the sliding window of 6 in one)
-SEQ_SLOTS = 32               # each sequence's slots start at a multiple of this
-
-
-def _decode_batch(model, gen: torch.Generator) -> ForwardBatch:
-    """Three sequences prefilled one by one into one store, then one decode batch of them."""
-    store = model.new_kv_store(block_size=8)
-    store.ensure_blocks(len(PROMPTS) * SEQ_SLOTS // 8)
-    vocab = model.spec.vocab_size
-    for i, n in enumerate(PROMPTS):
-        slots = torch.arange(n) + i * SEQ_SLOTS
-        prefill = ForwardBatch(torch.randint(0, vocab, (n,), generator=gen), torch.arange(n),
-                               torch.zeros(n, dtype=torch.long), slots, slots,
-                               torch.zeros(n, dtype=torch.long), torch.arange(n), store,
-                               max_position=n - 1)
-        model.forward_batch(prefill)
-    lengths = torch.tensor(PROMPTS) + 1
-    kv_slots = torch.cat([torch.arange(n) + i * SEQ_SLOTS for i, n in enumerate(lengths)])
-    batch = ForwardBatch(
-        torch.randint(0, vocab, (len(PROMPTS),), generator=gen), torch.tensor(PROMPTS),
-        torch.arange(len(PROMPTS)), torch.tensor(PROMPTS) + torch.arange(3) * SEQ_SLOTS,
-        kv_slots, torch.repeat_interleave(torch.arange(3), lengths),
-        torch.cat([torch.arange(n) for n in lengths]), store,
-        max_position=max(PROMPTS))
-    batch.key_ranges = lengths.cumsum(0) - lengths, lengths
-    return batch
-
-
 def _logits(model, batch: ForwardBatch, monkeypatch, native_block: bool
             ) -> tuple[torch.Tensor, int]:
     """The batch's logits and how many layers ran the native block."""
@@ -62,7 +35,7 @@ def _logits(model, batch: ForwardBatch, monkeypatch, native_block: bool
                                   "glm4_moe"])
 def test_native_block_equals_the_steps(hf_checkpoints, case, monkeypatch):
     model = open_tiny(hf_checkpoints[case][0], torch.bfloat16)
-    batch = _decode_batch(model, torch.Generator().manual_seed(3))
+    batch = decode_batch(model, torch.Generator().manual_seed(3))
     fused, calls = _logits(model, batch, monkeypatch, native_block=True)
     steps, no_calls = _logits(model, batch, monkeypatch, native_block=False)
     assert calls == model.spec.num_layers and no_calls == 0
@@ -73,19 +46,25 @@ def test_clipped_qkv_goes_step_by_step(hf_checkpoints, monkeypatch):
     """OLMoE's clip_qkv is not in the native block: its layers run the steps."""
     model = open_tiny(hf_checkpoints["olmoe"][0], torch.bfloat16)
     assert model.spec.clip_qkv is not None
-    batch = _decode_batch(model, torch.Generator().manual_seed(4))
+    batch = decode_batch(model, torch.Generator().manual_seed(4))
     logits, calls = _logits(model, batch, monkeypatch, native_block=True)
     assert calls == 0 and logits.isfinite().all()
+
+
+def _first_layer(hf_checkpoints, seed: int):
+    """The tiny mixtral, a decode batch of it, and its first layer's native struct."""
+    model = open_tiny(hf_checkpoints["mixtral"][0], torch.bfloat16)
+    batch = decode_batch(model, torch.Generator().manual_seed(seed))
+    first = model.layers[0]
+    layer = native_layer(model.spec, first.attention, 0, first.input_norm,
+                         first.post_attention_norm, model.rotary)
+    return model, batch, layer
 
 
 def test_native_block_refuses_a_store_of_another_shape(hf_checkpoints):
     """The C code reads what the struct says: a store of the wrong head size is refused
     before it runs, with a clear error."""
-    model = open_tiny(hf_checkpoints["mixtral"][0], torch.bfloat16)
-    batch = _decode_batch(model, torch.Generator().manual_seed(5))
-    first = model.layers[0]
-    layer = native_layer(model.spec, first.attention, 0, first.input_norm,
-                         first.post_attention_norm, model.rotary)
+    model, batch, layer = _first_layer(hf_checkpoints, seed=5)
     keys, values = batch.kv.rows(0)
     starts, lengths = batch.key_ranges
     with pytest.raises(ValueError, match="keys and values disagree"):
@@ -98,11 +77,7 @@ def test_native_block_refuses_a_store_of_another_shape(hf_checkpoints):
 def test_native_block_refuses_key_runs_and_slots_out_of_bounds(hf_checkpoints):
     """The index tensors' values are checked in C before any step runs: a key run past the
     batch's keys, or a key slot past the store, is refused and the store is left as it was."""
-    model = open_tiny(hf_checkpoints["mixtral"][0], torch.bfloat16)
-    batch = _decode_batch(model, torch.Generator().manual_seed(6))
-    first = model.layers[0]
-    layer = native_layer(model.spec, first.attention, 0, first.input_norm,
-                         first.post_attention_norm, model.rotary)
+    model, batch, layer = _first_layer(hf_checkpoints, seed=6)
     keys, values = batch.kv.rows(0)
     before = keys.clone()
     starts, lengths = batch.key_ranges

@@ -10,7 +10,7 @@ import torch
 import mox.models.decoder as decoder
 from mox.kernels import native
 from tests.conftest import make_hf_checkpoint, open_tiny
-from tests.models.test_native_block import _decode_batch
+from tests.models.decode_batch import decode_batch
 
 pytestmark = pytest.mark.skipif(native.kernels() is None or not native.kernels().fast,
                                 reason="no native vector kernels on this machine")
@@ -51,7 +51,7 @@ def _logits(model, batch, monkeypatch, native_moe: bool) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("case", ["mixtral", "olmoe", "gpt_oss", "qwen2_moe", "qwen3_moe"])
 def test_native_moe_block_equals_the_python_block(checkpoints, case, monkeypatch):
     model = open_tiny(checkpoints[case], torch.bfloat16)
-    batch = _decode_batch(model, torch.Generator().manual_seed(7))
+    batch = decode_batch(model, torch.Generator().manual_seed(7))
     fused, calls = _logits(model, batch, monkeypatch, native_moe=True)
     steps, no_calls = _logits(model, batch, monkeypatch, native_moe=False)
     assert calls == [True] * model.spec.num_moe_layers and no_calls == []
@@ -69,7 +69,7 @@ def test_misses_page_in_waves_and_agree(checkpoints, monkeypatch):
         model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
         pool = model.experts
         pool.resize(pool.max_slots // 4)
-        batch = _decode_batch(model, torch.Generator().manual_seed(8))
+        batch = decode_batch(model, torch.Generator().manual_seed(8))
         results[native_moe] = _logits(model, batch, monkeypatch, native_moe)
         pool.check_integrity()
         assert pool.slot_pool.holds == 0 and pool.stats()["misses"] > 0
