@@ -1,6 +1,6 @@
 """The CPU decode kernels of `csrc/` (bf16_gemv.c, moe_experts.c, decode_attention.c,
-rms_norm.c, rope_kv.c, attention_block.c), built at first use (`native_build`) and called
-through ctypes.
+rms_norm.c, rope_kv.c, attention_block.c, moe_block.c, decode_layers.c), built at first use
+(`native_build`) and called through ctypes.
 
 A decode step on a CPU reads every weight it touches once for a few rows of activations; the
 GEMMs torch dispatches to for that shape read bf16 weights at about half this machine's rate
@@ -42,6 +42,7 @@ from .native_moe import (
     native_format,
     pool_structs,
 )
+from .native_step import StepLayers, check_layers_step
 from .quant import FP8, ExpertScales
 
 ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
@@ -110,6 +111,13 @@ class NativeKernels:
                                ctypes.c_int64, PoolStruct, PoolStruct] + [ctypes.c_void_p] * 5)
         moe_block.restype = ctypes.c_int
         self._moe_block = moe_block
+        layers = self._lib.mox_decode_layers_bf16
+        layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                           + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                           + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+                           + [ctypes.c_int64, PoolStruct, PoolStruct] + [ctypes.c_void_p] * 4)
+        layers.restype = ctypes.c_int64
+        self._decode_layers = layers
         route = self._lib.mox_route_bf16
         route.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
                           + [ctypes.c_float] + [ctypes.c_void_p] * 2)
@@ -234,6 +242,48 @@ class NativeKernels:
         if status < 0:
             raise ValueError(f"moe_block refused T={num_tokens} H={hidden} I={inter}")
         return weights, ids, (x_out if status == 0 else None)
+
+    def decode_layers(self, step: StepLayers, first: int, x: torch.Tensor, h: torch.Tensor,
+                      tables: tuple[torch.Tensor, torch.Tensor],
+                      store: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                      kv_slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                      w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+                      activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None
+                      ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A decode step's layers from `first` on (csrc/decode_layers.c: each layer's
+        `attention_block` then `moe_block`) over the stream `x [T, H]` bf16, in place. Returns
+        where it stopped: every layer, or the first whose experts were not all resident (`x`
+        then its stream after attention, `h [T, H]` its normed rows), and the routing
+        weights `[L, T, k]` float32 and ids `[L, T, k]` int32 of the layers it reached. The
+        attention arguments as `attention_block` takes them (`store`: the keys and values of
+        a layer, the shape of every layer's, which `step` points to), the pools as
+        `moe_block`."""
+        cos, sin = (t.reshape(t.shape[0], -1) for t in tables)
+        keys, values = store
+        check_layers_step(step, x, h, cos, sin, keys, values,
+                          [slot_mapping, starts, lengths, kv_slots])
+        shape, num_tokens, num_layers = step.moe[0].struct, x.shape[0], len(step.moe)
+        if not 1 <= num_tokens <= GEMV_MAX_ROWS or w13.device.type != "cpu":
+            raise ValueError(f"decode_layers takes 1 to {GEMV_MAX_ROWS} rows, and CPU pools")
+        check_pools(w13, w2, scales, shape.hidden, shape.inter, self._pools_checked)
+        gates = gating(activation, b13, b2, w13.shape[0], shape.hidden, shape.inter)
+        weights = torch.empty(num_layers, num_tokens, shape.top_k, dtype=torch.float32)
+        ids = torch.empty(num_layers, num_tokens, shape.top_k, dtype=torch.int32)
+        residual = torch.empty_like(x)
+        done = self._decode_layers(
+            step.array, first, num_layers, x.data_ptr(), h.data_ptr(), num_tokens,
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), keys.shape[0],
+            slot_mapping.data_ptr(), kv_slots.data_ptr(), kv_slots.shape[0], starts.data_ptr(),
+            lengths.data_ptr(), w13.shape[0], *pool_structs(w13, w2, scales), gates,
+            weights.data_ptr(), ids.data_ptr(), residual.data_ptr())
+        if done == -2:
+            raise MemoryError("decode_layers could not allocate its intermediates")
+        if done < 0:
+            raise ValueError(f"decode_layers refused T={num_tokens} from layer {first} (a "
+                             f"slot outside the store, a key run outside the keys, or a "
+                             f"layer unlike the others)")
+        return done, weights, ids
 
     def route(self, logits: torch.Tensor, k: int, scoring: str, renormalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ from mox.bench.machine import describe
 from mox.demo import default_home, ensure_demo_models
 from mox.kernels import native
 from mox.kernels.native_moe import MoELayerStruct
+from mox.kernels.native_step import StepLayerStruct
 from mox.loaders import Checkpoint
 from mox.messages import Request
 from mox.models.layers import linear
@@ -159,11 +160,14 @@ def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> 
             "tok_s_per_repeat": rates, f"first_{AGREE}_tokens_agree": agree}
 
 
-def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False) -> dict:
+def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False,
+                chained: bool = True) -> dict:
     """One engine decode step of these prompts under torch.profiler; then REPEATS more timed,
-    with the time inside the decoder's attention, its MoE blocks and their kernel (mean ms a
-    step). `stub_kernels`: the native kernels that read weights and the KV store return at
-    once (their outputs are garbage): what is left is the step's work around them."""
+    with the time inside the decoder's attention, its MoE blocks and their kernel, or inside
+    the native call that runs every layer (mean ms a step). `stub_kernels`: the native
+    kernels that read weights and the KV store return at once (their outputs are garbage):
+    what is left is the step's work around them. `chained=False`: the layers one native
+    call per half, as before decode_layers.c (what the per-component times are taken on)."""
     params = SamplingParams(max_tokens=REPEATS + 4, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(Request(f"profile-{i}", llm.name, prompt, params))
@@ -172,7 +176,7 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False) 
         llm.engine.step()
     # (fused_moe: the MoE kernel, as fused_moe or, CPU decode, the native block's call)
     spent = dict.fromkeys(("attention", "attention_block", "moe_block", "fused_moe",
-                           "moe_block_call"), 0.0)
+                           "moe_block_call", "decode_layers"), 0.0)
     # the decoder holds its attention function (MHA or MLA) as an attribute; CPU decode runs
     # the attention half (norms, attention, residual) as one native block instead
     patched = {"attention": llm.model, "attention_block": decoder, "moe_block": decoder,
@@ -193,16 +197,21 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False) 
             return out
         return steps_wrapper if inspect.isgeneratorfunction(originals[name]) else wrapper
 
-    kernels = native.kernels()
-    calls = ("_gemv", "_moe", "_attend", "_block", "_moe_block")
+    kernels, chains = native.kernels(), decoder.MoEDecoder._chains
+    calls = ("_gemv", "_moe", "_attend", "_block", "_moe_block", "_decode_layers")
     saved = {c: getattr(kernels, c) for c in calls} if kernels is not None else {}
-    stubs = {"_moe_block": _stub_moe_block}                # its routing must stay valid
+    # (their routing must stay valid)
+    stubs = {"_moe_block": _stub_moe_block, "_decode_layers": _stub_decode_layers}
     try:                                # the bench's own process only; restored at once
         for name, module in patched.items():
             setattr(module, name, timing(name))
         if kernels is not None:         # CPU decode: the MoE kernel is the native block
             originals["moe_block_call"] = kernels.moe_block
             kernels.moe_block = timing("moe_block_call")
+            originals["decode_layers"] = kernels.decode_layers
+            kernels.decode_layers = timing("decode_layers")
+        if not chained:
+            decoder.MoEDecoder._chains = lambda self: False
         for call in saved if stub_kernels else ():
             setattr(kernels, call, stubs.get(call, lambda *args: 0))
         spent["step"] = sum(timed(llm.engine.step, warm_up=False))
@@ -210,7 +219,9 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False) 
         for call, fn in saved.items():
             setattr(kernels, call, fn)
         if kernels is not None:
-            del kernels.moe_block                            # the class's method again
+            del kernels.moe_block, kernels.decode_layers     # the class's methods again
+        if not chained:
+            decoder.MoEDecoder._chains = chains
         for name, module in patched.items():
             setattr(module, name, originals[name])
     spent["fused_moe"] += spent.pop("moe_block_call", 0.0)
@@ -230,6 +241,15 @@ def _stub_moe_block(layer, h, num_tokens, slot_of, num_slots, p13, p2, gating, w
     return 0
 
 
+def _stub_decode_layers(layers, first, num_layers, x, h, num_tokens, *args) -> int:
+    """csrc/decode_layers.c's call stubbed as `_stub_moe_block`: every layer done, every
+    token routed to expert 0."""
+    k = ctypes.cast(layers, ctypes.POINTER(StepLayerStruct)).contents.moe
+    top_k = ctypes.cast(k, ctypes.POINTER(MoELayerStruct)).contents.top_k
+    ctypes.memset(args[-2], 0, num_layers * num_tokens * top_k * 4)
+    return num_layers
+
+
 def dense_gemms(llm: LLM, num_tokens: int) -> dict:
     """Median ms of a step's dense GEMMs alone at `num_tokens` tokens: attention's, and the
     lm_head's plus routers'."""
@@ -243,37 +263,40 @@ def dense_gemms(llm: LLM, num_tokens: int) -> dict:
 
 def diagnosis(r: dict) -> list[str]:
     """The findings as markdown bullets; stores each step's breakdown (glue = time beyond the
-    weight GEMMs) in `r["step"]`."""
+    weight GEMMs) in `r["step"]`. Per component: the layer-by-layer step (one native call per
+    half a layer, timed apart); the step as it runs calls one for every layer."""
     c, layers, b, lines = r["concurrency"], r["moe_layers"], r["batch1"], []
     r["bound_ms"] = {n: int(n) * 1e3 / s["bound_tok_s"] for n, s in c.items()}
-    for n, p in r["step"].items():
+    for n, step in r["step"].items():
+        p = step["layer_by_layer"]
         p["attention_ms"] += p.pop("attention_block_ms", 0.0)     # whichever path ran
         p["expert_gbps"] = (c[n]["experts_touched"] * layers * r["expert_bytes"]
                             / p["fused_moe_ms"] / 1e6)
-        p["glue"] = {"attention": p["attention_ms"] - p["attention_gemms_ms"],
+        p["glue"] = {"attention": p["attention_ms"] - step["attention_gemms_ms"],
                      "moe_block": p["moe_block_ms"] - p["fused_moe_ms"],
                      "rest": p["step_ms"] - p["attention_ms"] - p["moe_block_ms"]
-                     - p["other_gemms_ms"]}
+                     - step["other_gemms_ms"]}
         lines.append(
-            f"- {n} seqs: a decode step {p['step_ms']:.1f} ms = attention {p['attention_ms']:.1f}"
-            f" (its GEMMs alone {p['attention_gemms_ms']:.1f}) + MoE blocks "
-            f"{p['moe_block_ms']:.1f} (in the kernel {p['fused_moe_ms']:.1f}, reading experts at "
-            f"{p['expert_gbps']:.1f} GB/s) + the rest "
-            f"{p['step_ms'] - p['attention_ms'] - p['moe_block_ms']:.1f} (lm_head and router "
-            f"GEMMs alone {p['other_gemms_ms']:.1f}; norms, sampling, engine); with the native"
-            f" kernels stubbed out the step takes {p['kernels_stubbed']['step_ms']:.1f} ms "
-            "(the work around them).")
-    one = r["step"]["1"]
+            f"- {n} seqs: a decode step {step['step_ms']:.1f} ms = every layer in one native "
+            f"call {step['decode_layers_ms']:.1f} + the rest "
+            f"{step['step_ms'] - step['decode_layers_ms']:.1f} (lm_head and router GEMMs alone"
+            f" {step['other_gemms_ms']:.1f}; the final norm, sampling, engine); with the "
+            f"native kernels stubbed out it takes {step['kernels_stubbed']['step_ms']:.1f} ms"
+            f" (the work around them). Layer by layer, one native call per half a layer (timed"
+            f" apart): {p['step_ms']:.1f} ms = attention {p['attention_ms']:.1f} (its GEMMs "
+            f"alone {step['attention_gemms_ms']:.1f}) + MoE blocks {p['moe_block_ms']:.1f} (in"
+            f" the kernel {p['fused_moe_ms']:.1f}, reading experts at {p['expert_gbps']:.1f} "
+            f"GB/s) + the rest {p['step_ms'] - p['attention_ms'] - p['moe_block_ms']:.1f}.")
+    one = r["step"]["1"]["layer_by_layer"]
     kernel_floor = one["fused_moe_ms"] * one["expert_gbps"] / r["best_gbps"]
     return lines + [
         f"- 1 seq: {BOUND_TARGETS[1]}x the bound is {b['bound_ms'] * BOUND_TARGETS[1]:.1f} "
-        f"ms/token; mox takes {b['mox_ms']:.1f}. The MoE kernel reads experts at "
-        f"{one['expert_gbps']:.1f} GB/s of the best {r['best_gbps']:.1f} ({kernel_floor:.1f} "
-        f"ms at that rate, not {one['fused_moe_ms']:.1f}); beyond the GEMMs, the attention "
-        f"half takes {one['glue']['attention']:.1f} ms (norms, rotary and KV write, attention "
-        f"over the cached keys, residual: one native block a layer), MoE "
-        f"blocks outside the kernel {one['glue']['moe_block']:.1f} (the pager's hold and "
-        f"bookkeeping; routing and leases where a layer pages), and "
+        f"ms/token; mox takes {b['mox_ms']:.1f}. Layer by layer, the MoE kernel reads experts"
+        f" at {one['expert_gbps']:.1f} GB/s of the best {r['best_gbps']:.1f} "
+        f"({kernel_floor:.1f} ms at that rate, not {one['fused_moe_ms']:.1f}); beyond the "
+        f"GEMMs, the attention half takes {one['glue']['attention']:.1f} ms (norms, rotary "
+        f"and KV write, attention over the cached keys, residual), MoE blocks outside the "
+        f"kernel {one['glue']['moe_block']:.1f} (the pager's hold and bookkeeping), and "
         f"{one['glue']['rest']:.1f} in the rest (norms, sampling, engine).",
     ]
 
@@ -360,6 +383,7 @@ def main() -> None:
         r["best_gbps"] = max(v for k, v in r.items() if k.endswith("_gbps"))
         for n in (str(1), str(max(counts))):
             r["step"][n] = decode_step(llm, prompts[int(n)])
+            r["step"][n]["layer_by_layer"] = decode_step(llm, prompts[int(n)], chained=False)
             r["step"][n]["kernels_stubbed"] = decode_step(llm, prompts[int(n)],
                                                           stub_kernels=True)
             r["step"][n].update(dense_gemms(llm, int(n)))

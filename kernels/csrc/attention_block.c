@@ -18,20 +18,7 @@
 
 #include "bf16.h"
 #include "exported.h"
-
-enum { QK_NORM_NONE, QK_NORM_FULL, QK_NORM_PER_HEAD };
-
-/* One layer's weights and shapes (mox/kernels/native_attention.py's AttentionLayer): fixed
- * for the model's life, so Python builds it once per layer. */
-typedef struct {
-    const uint16_t *input_norm, *post_norm;     /* [H] */
-    const uint16_t *qkv, *qkv_bias;             /* [(h + 2 h_kv) d, H]; [(h + 2 h_kv) d] or NULL */
-    const uint16_t *q_norm, *k_norm;            /* [h d] and [h_kv d] (full), [d] (per head) */
-    const uint16_t *o, *o_bias;                 /* [H, h d]; [H] or NULL */
-    int64_t hidden, heads, kv_heads, head_dim, rotary_dim, window;   /* window 0: none */
-    int qk_norm, interleaved;
-    float eps, scale;
-} attention_layer_t;
+#include "layers.h"
 
 /* out [T, n] = y + b (b's row stride b_ld: 0 for a bias), rounded to bf16 as torch's add */
 static void add_rows(const uint16_t *y, int64_t ld, const uint16_t *b, int64_t b_ld, int64_t T,

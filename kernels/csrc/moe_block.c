@@ -19,17 +19,8 @@
 
 #include "bf16.h"
 #include "exported.h"
+#include "layers.h"
 #include "softmax.h"
-
-enum { SCORE_SOFTMAX_TOPK, SCORE_TOPK_SOFTMAX };
-
-/* One MoE layer's router and shapes (mox/kernels/native_moe.py's MoELayer), built once. */
-typedef struct {
-    const uint16_t *router, *router_bias;       /* [E, H]; [E] or NULL */
-    int64_t hidden, inter, experts, top_k;
-    int scoring, renormalize;
-    float scaling;                              /* routed_scaling_factor */
-} moe_layer_t;
 
 /* ids [k] of the k largest of v [n], largest first (ties: the lower index, as
  * mox/kernels/routing.py's top_k) */

@@ -6,6 +6,7 @@ Legend: T new tokens in the step, K keys the step attends to, S sequences that s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
 from functools import partial
@@ -54,21 +55,20 @@ class ModelRunner:
             kv_pos += range(end)
             if item.samples:
                 sample_at.append(len(ids) - 1)
-        device = self.model.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        forward = ForwardBatch(tensor(ids), tensor(pos), tensor(q_seq), tensor(new_slots),
-                               tensor(kv_slots), tensor(kv_seq), tensor(kv_pos), self.kv,
-                               logits_indices=tensor(sample_at), max_position=max(pos))
-        forward.padded = partial(self._padded_layout, batch, len(ids), len(kv_slots))
-        if len(ids) == len(batch.sequences):                 # one new token each: decode
+        lists = [ids, pos, q_seq, new_slots, kv_slots, kv_seq, kv_pos, sample_at]
+        decode = len(ids) == len(batch.sequences)            # one new token each
+        if decode:                      # each token's keys: one run of kv_slots
             lengths = [item.seq.num_computed_tokens + 1 for item in batch.sequences]
-            starts = [0]
-            for n in lengths[:-1]:
-                starts.append(starts[-1] + n)
-            forward.key_ranges = tensor(starts), tensor(lengths)
+            lists += [list(itertools.accumulate(lengths[:-1], initial=0)), lengths]
+        # one tensor for them all, split into views: a torch.tensor call costs more than
+        # a decode step's lists take to fill
+        flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long,
+                            device=self.model.device).split([len(values) for values in lists])
+        forward = ForwardBatch(*flat[:7], self.kv, logits_indices=flat[7],
+                               max_position=max(pos))
+        forward.padded = partial(self._padded_layout, batch, len(ids), len(kv_slots))
+        if decode:
+            forward.key_ranges = flat[8], flat[9]
         return forward
 
     def _padded_layout(self, batch: Batch, num_tokens: int, num_keys: int) -> PaddedLayout | None:

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mox.kernels import native
 from mox.kernels.native_attention import AttentionLayer
 from mox.kernels.native_moe import MoELayer
+from mox.kernels.native_step import StepLayers, step_layers
 from mox.loaders.spec import ModelSpec
 from mox.models.attention import (
     AttentionWeights,
@@ -26,7 +28,15 @@ from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
 from mox.models.layers import MLPWeights, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
-from mox.models.moe import MoEWeights, moe_block, native_moe_layer, route, takes_native
+from mox.models.moe import (
+    MoEWeights,
+    activation,
+    moe_block,
+    native_moe_layer,
+    paged_experts,
+    route,
+    takes_native,
+)
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
 
@@ -67,6 +77,8 @@ class MoEDecoder:
                                 if isinstance(layer.mlp, MoEWeights)), None)
         self._native_layers: dict[int, AttentionLayer | None] = {}   # see _native_layer
         self._native_moe_layers: dict[int, MoELayer | None] = {}      # see _native_moe
+        self._every_layer_native: bool | None = None                   # see _chains
+        self._step: tuple[tuple, StepLayers] | None = None             # see _step_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -95,14 +107,27 @@ class MoEDecoder:
     @torch.inference_mode()
     def forward_steps(self, batch: ForwardBatch
                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:
-        """`forward_batch` as a generator that yields None after each layer and the reads a
-        MoE layer waits for, so its driver may step another model meanwhile (the engine
-        does)."""
+        """`forward_batch` as a generator that yields None after each layer (or each native
+        call of several) and the reads a MoE layer waits for, so its driver may step another
+        model meanwhile (the engine does)."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
-        eps = self.spec.rms_norm_eps
         # (every layer's attention has the same shapes and dtype: one answer for the batch)
         native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
         native_moe = batch.key_ranges is not None and self._takes_native_moe(x)
+        if native_block and native_moe and self._chains():
+            x = yield from self._decode_layers(x, batch)
+        else:
+            x = yield from self._layer_steps(x, batch, native_block, native_moe)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]                                               # [S, H]
+        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        return linear(x, self.lm_head).float()
+
+    def _layer_steps(self, x: torch.Tensor, batch: ForwardBatch, native_block: bool,
+                     native_moe: bool) -> Generator[ReadsPending | None, None, torch.Tensor]:
+        """The layers one by one: the stream `x [T, H]` through each, natively per half where
+        the flags say (CPU decode)."""
+        eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
             native_layer = self._native_layer(i) if native_block else None
             if native_layer is not None:           # CPU decode: the same steps in one call
@@ -118,10 +143,56 @@ class MoEDecoder:
             else:
                 x = x + layer.mlp(h)
             yield None
-        if batch.logits_indices is not None:
-            x = x[batch.logits_indices]                                               # [S, H]
-        x = rms_norm(x, self.final_norm, eps)
-        return linear(x, self.lm_head).float()
+        return x
+
+    def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch
+                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:
+        """Every layer of a CPU decode step through native calls (csrc/decode_layers.c): one
+        for the whole step while the tokens' experts are resident; a layer that finds one
+        missing pages its experts in waves, and the next call takes up after it."""
+        kernels, h, first = native.kernels(), torch.empty_like(x), 0
+        starts, lengths = batch.key_ranges
+        tables, gate = batch.rotary_tables(self.rotary), activation(self.spec)
+        stores = [batch.kv.rows(i) for i in range(len(self.layers))]
+        while first < len(self.layers):
+            with self.experts.holding() as hold:
+                done, weights, ids = kernels.decode_layers(
+                    self._step_layers(stores, hold.slot_of), first, x, h, tables, stores[0],
+                    batch.slot_mapping, batch.kv_slots, starts, lengths, hold.w13, hold.w2,
+                    hold.scales, gate, hold.b13, hold.b2)
+                hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
+                                 ids[first:done].flatten(1).tolist())
+            if done < len(self.layers):
+                x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
+                                             h, x, weights[done], ids[done])
+            yield None
+            first = done + 1
+        return x
+
+    def _chains(self) -> bool:
+        """Whether a CPU decode step may run its layers in one native call: each layer's
+        halves take the native blocks (no dense MLP layers, no shared experts) and the pager
+        predicts nothing (prefetch routes each next layer from Python)."""
+        if self._every_layer_native is None:
+            self._every_layer_native = all(
+                self._native_layer(i) is not None and isinstance(layer.mlp, MoEWeights)
+                and layer.mlp.shared_expert is None and self._native_moe(i) is not None
+                for i, layer in enumerate(self.layers))
+        return self._every_layer_native and not self.experts.prefetch_enabled
+
+    def _step_layers(self, stores: list[tuple[torch.Tensor, torch.Tensor]],
+                     slot_of: torch.Tensor) -> StepLayers:
+        """The layers' table for decode_layers.c over these KV stores, rebuilt when a store
+        or the residency table moves (the table keeps no store alive: the addresses and
+        shape decide)."""
+        key = (slot_of.data_ptr(), stores[0][0].shape,
+               *(t.data_ptr() for pair in stores for t in pair))
+        if self._step is None or self._step[0] != key:
+            self._step = key, step_layers(
+                [self._native_layer(i) for i in range(len(self.layers))],
+                [self._native_moe(i) for i in range(len(self.layers))],
+                [layer.mlp.moe_layer for layer in self.layers], stores, slot_of)
+        return self._step[1]
 
     def _native_layer(self, i: int) -> AttentionLayer | None:
         """Layer i's struct for the native attention block, or None where the layer has

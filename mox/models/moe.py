@@ -119,17 +119,24 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tenso
     reads, the block yields them to its driver (mox.pager.pending)."""
     if native_layer is not None:
         fold = w.shared_expert is None                       # the residual add in the call
-        with experts.holding(w.moe_layer) as hold:
+        with experts.holding() as hold:
             topk_weights, topk_ids, out = native.kernels().moe_block(
-                native_layer, h, hold.slot_of, hold.w13, hold.w2, hold.scales,
-                _activation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit), hold.b13,
-                hold.b2, residual=x if fold else None)
+                native_layer, h, hold.slot_of[w.moe_layer], hold.w13, hold.w2, hold.scales,
+                activation(spec), hold.b13, hold.b2, residual=x if fold else None)
             if out is not None:
-                hold.used = topk_ids.reshape(-1).tolist()
+                hold.used.append((w.moe_layer, topk_ids.reshape(-1).tolist()))
         if out is not None:
             return out if fold else x + _add_shared(w, h, out)
     else:
         topk_weights, topk_ids = route(spec, w, h)                        # [T, k]
+    return (yield from paged_experts(spec, w, experts, h, x, topk_weights, topk_ids))
+
+
+def paged_experts(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tensor,
+                  x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                  ) -> Generator[ReadsPending, None, torch.Tensor]:
+    """x + the block of h `[T, H]` routed as `topk_weights`, `topk_ids` `[T, k]`, its experts
+    leased from the pager in waves (`moe_block`)."""
     out = None
     # (the pager takes each expert once: a host list is cheaper than a device unique())
     for lease in experts.wave_steps(w.moe_layer, topk_ids.reshape(-1).tolist()):
@@ -145,6 +152,11 @@ def moe_block(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.Tenso
                          scales=lease.scales)
         out = part if out is None else out.add_(part)
     return x + _add_shared(w, h, out.to(h.dtype))
+
+
+def activation(spec: ModelSpec) -> Activation:
+    """The experts' activation as the native kernels take it."""
+    return _activation(spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
 
 
 @functools.cache

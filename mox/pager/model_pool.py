@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,21 +54,20 @@ class Lease:
 
 @dataclass
 class Hold:
-    """Every resident expert of one layer, readable without a lease while the hold lasts:
-    `slot_of [E]` is the layer's live residency table (int32, NOT_RESIDENT where absent).
+    """Every resident expert of the model, readable without a lease while the hold lasts:
+    `slot_of [L, E]` is the live residency table (int32, NOT_RESIDENT where absent).
     Meanwhile nothing is evicted, moved or grown, so an expert it shows keeps its slot; loads
-    that commit only add experts, in slots of these pools (the native block still bounds them
-    by the pools' first dim, as a defence). The holder sets `used` to the experts it computed
-    from their slots (counted as hits when the hold ends)."""
+    that commit only add experts, in slots of these pools (the native blocks still bound them
+    by the pools' first dim, as a defence). The holder appends to `used` each layer it
+    computed from the slots, with its experts (counted as hits when the hold ends)."""
 
-    moe_layer: int
     slot_of: torch.Tensor
     w13: torch.Tensor
     w2: torch.Tensor
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     scales: ExpertScales | None = None
-    used: list[int] | None = None
+    used: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -169,25 +168,27 @@ class ModelPool(PagedPool):
                 missing = missing[len(pending):]
 
     @contextlib.contextmanager
-    def holding(self, moe_layer: int) -> Iterator[Hold]:
-        """A `Hold` on the layer's resident experts for one kernel call: a decode step that
-        finds every expert it routes to resident needs no lease (the native block checks the
-        table itself); the experts it names in `hold.used` count as a wave of hits would."""
+    def holding(self) -> Iterator[Hold]:
+        """A `Hold` on the model's resident experts for native calls: a decode step that
+        finds every expert it routes to resident needs no lease (the native blocks check the
+        table themselves); the layers it lists in `hold.used` count as waves of hits would,
+        in one lock section when the hold ends."""
         pool, hold = self.slot_pool, None
         try:
             with self._lock:
                 self._check_not_parked()
-                hold = Hold(moe_layer, pool.slot_of[moe_layer], *pool.in_use())
+                hold = Hold(pool.slot_of, *pool.in_use())
                 pool.holds += 1
             yield hold
         finally:
             if hold is not None:
                 with self._lock:
                     pool.holds -= 1
-                    if hold.used is not None:
-                        self._record_hits(moe_layer, sorted(set(hold.used)))
-                    self._drain()            # what waited for the hold (a shrink)
-                    self._changed.notify_all()
+                    if hold.used:
+                        self._record_held(hold.used)
+                    if not pool.holds:
+                        self._drain()        # what waited for the holds (a shrink)
+                        self._changed.notify_all()
 
     def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
         """`wave_steps` for a caller that blocks where reads are pending."""
@@ -303,16 +304,27 @@ class ModelPool(PagedPool):
         if self._inflight:
             self._settle_queued(moe_layer, set(wanted))
 
-    def _record_hits(self, moe_layer: int, wanted: list[int]) -> None:
-        """A step computed `wanted` (distinct, sorted, all resident) in their slots."""
-        self._record_access(moe_layer, wanted)
+    def _record_held(self, used: list[tuple[int, list[int]]]) -> None:
+        """A hold computed these layers' experts (each layer once, in order) in their slots:
+        usage, the miss-ratio curve (one record for them all) and hits, as waves of hits on
+        each layer in turn would count them."""
         now, pool = self.clock(), self.slot_pool
-        for expert in wanted:
-            key = (moe_layer, expert)
-            index = pool.lookup(key)
-            assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
-            self._count_hit(key, pool.slots[index], now)
-        self.counters.waves += 1
+        layers = [(moe_layer, sorted(set(experts))) for moe_layer, experts in used]
+        for moe_layer, wanted in layers:
+            self.usage.record(moe_layer, wanted, now)
+            if self._inflight:
+                self._settle_queued(moe_layer, set(wanted))
+        keys = np.concatenate([moe_layer * self.num_experts + np.asarray(wanted, int)
+                               for moe_layer, wanted in layers])
+        groups = np.repeat(np.arange(len(layers)), [len(wanted) for _, wanted in layers])
+        self.miss_curve.record(keys, now, groups)
+        for moe_layer, wanted in layers:
+            for expert in wanted:
+                key = (moe_layer, expert)
+                index = pool.lookup(key)
+                assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+                self._count_hit(key, pool.slots[index], now)
+        self.counters.waves += len(layers)
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
         self.counters.hits += 1

@@ -40,6 +40,8 @@ def _logits(model, batch, monkeypatch, native_moe: bool) -> tuple[torch.Tensor, 
         return result
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "moe_block", counted)
+        # the block a layer at a time (a step chains them where it can: test_decode_layers)
+        patch.setattr(decoder.MoEDecoder, "_chains", lambda self: False)
         if not native_moe:
             patch.setattr(decoder, "takes_native", lambda *args: False)
         return model.forward_batch(batch), calls

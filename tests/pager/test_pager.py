@@ -125,7 +125,7 @@ def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
     shrink waits for the hold, then drains; what it used counts as hits, as a wave would."""
     pool = new_pool(ckpt, num_slots=6)
     pool.release(pool.acquire(0, range(6)))
-    with pool.holding(0) as hold:
+    with pool.holding() as hold:
         before = hold.slot_of.tolist()
         pool.resize(2)
         pool.prefetch(1, [0, 1])                   # room for another layer: none evictable
@@ -133,7 +133,7 @@ def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
         assert pool.slot_pool.num_slots == 6 and hold.w13.shape[0] == 6
         hits, steps = pool.stats()["hits"], pool.usage.steps[0]
         counts = pool.usage.counts[0].copy()
-        hold.used = [3, 1, 3]
+        hold.used.append((0, [3, 1, 3]))
     assert pool.stats()["hits"] == hits + 2 and pool.usage.steps[0] > steps
     grew = pool.usage.counts[0] > counts
     assert grew[[1, 3]].all() and grew.sum() == 2
@@ -141,7 +141,7 @@ def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
     pool.check_integrity()
     pool.resize(0)
     with pytest.raises(MoxError, match="parked"):
-        with pool.holding(0):
+        with pool.holding():
             pass
 
 

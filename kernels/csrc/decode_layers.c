@@ -1,0 +1,62 @@
+/* A decode step's decoder layers for CPU decode, in one call: each layer's attention half
+ * (attention_block.c) then its MoE half (moe_block.c), the residual stream handed from one to
+ * the next here rather than through the interpreter, which cost ~0.25 ms a layer at batch 1
+ * between and around the two blocks (a fifth of the step). The same calls on the same
+ * buffers as the per-layer path (mox/models/decoder.py): identical bits.
+ *
+ * A layer whose tokens route to an expert that is not resident ends the call after its
+ * routing; Python pages that layer's experts in waves, as for any layer, and calls again from
+ * the next one.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "layers.h"
+
+/* One layer as the chain reads it (mox/kernels/native_step.py's StepLayer): its two halves'
+ * structs, its KV store rows and its row of the pager's live residency table. */
+typedef struct {
+    const attention_layer_t *attention;
+    const moe_layer_t *moe;
+    uint16_t *keys, *values;                    /* [store_rows, h_kv, d] */
+    const int32_t *slot_of;                     /* [E] */
+} step_layer_t;
+
+/* Layers [first, num_layers) on the stream x [T, H] bf16, in place. The attention arguments
+ * (cos ... lengths) as mox_attention_block_bf16 takes them, the same for every layer; the
+ * pools and gating as mox_moe_block_bf16 takes them (one pool for the model's layers).
+ * weights [num_layers, T, k] f32 and ids [num_layers, T, k] int32: each layer's routing, for
+ * the layers reached. residual [T, H]: scratch. Returns num_layers when every layer ran, or
+ * the index of the layer that found an expert missing, with x its stream after attention
+ * (the MoE half's residual) and h [T, H] its normed rows; -1 for arguments refused, -2 out
+ * of memory (x then undefined). */
+int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_t num_layers,
+                               uint16_t *x, uint16_t *h, int64_t T, const float *cos,
+                               const float *sin, int64_t ldc, int64_t store_rows,
+                               const int64_t *slot_mapping, const int64_t *kv_slots,
+                               int64_t num_keys, const int64_t *starts, const int64_t *lengths,
+                               int64_t num_slots, pool_t p13, pool_t p2,
+                               const gating_t *gating, float *weights, int32_t *ids,
+                               uint16_t *residual) {
+    if (first < 0 || first > num_layers || T < 1)
+        return -1;
+    for (int64_t i = first; i < num_layers; i++) {
+        const step_layer_t *l = layers + i;
+        int64_t routed = T * l->moe->top_k, H = l->attention->hidden;
+        if (l->moe->hidden != H)
+            return -1;
+        int status = mox_attention_block_bf16(l->attention, x, T, cos, sin, ldc, l->keys,
+                                              l->values, store_rows, slot_mapping, kv_slots,
+                                              num_keys, starts, lengths, residual, h);
+        if (status == 0)
+            status = mox_moe_block_bf16(l->moe, h, T, l->slot_of, num_slots, p13, p2, gating,
+                                        weights + i * routed, ids + i * routed, residual, x);
+        if (status == 1) {                       /* a miss: Python pages this layer */
+            memcpy(x, residual, sizeof(uint16_t) * (size_t)(T * H));
+            return i;
+        }
+        if (status != 0)
+            return status;
+    }
+    return num_layers;
+}

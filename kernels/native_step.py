@@ -1,0 +1,70 @@
+"""A decode step's layers handed to csrc/decode_layers.c in one call: per layer, its attention
+and MoE structs (native_attention.py, native_moe.py), its KV store rows and its row of the
+pager's residency table. The table of them is built once per KV store and residency table;
+a step checks its own tensors once, not once a layer."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .native_attention import AttentionLayer, check_step
+from .native_moe import MoELayer
+
+
+class StepLayerStruct(ctypes.Structure):
+    """decode_layers.c's step_layer_t."""
+
+    _fields_ = [(name, ctypes.c_void_p)
+                for name in ("attention", "moe", "keys", "values", "slot_of")]
+
+
+@dataclass(frozen=True)
+class StepLayers:
+    """The structs' array and the structs it points to (kept alive with it). It points into
+    the KV store without holding it (a store that grows or is released goes): its builder
+    rebuilds it whenever a store's address changes."""
+
+    array: ctypes.Array
+    attention: tuple[AttentionLayer, ...]
+    moe: tuple[MoELayer, ...]
+    slot_of: torch.Tensor               # [L, E] int32: the residency table
+
+
+def step_layers(attention: list[AttentionLayer], moe: list[MoELayer], moe_rows: list[int],
+                stores: list[tuple[torch.Tensor, torch.Tensor]],
+                slot_of: torch.Tensor) -> StepLayers:
+    """Layer i: `attention[i]`, `moe[i]` (row `moe_rows[i]` of `slot_of [L, E]`) and its
+    store's keys and values `[N, h_kv, d]`. The layers must agree on every shape the call
+    shares between them (the pools, the routing's k, the store)."""
+    first, experts = moe[0].struct, slot_of.shape[1]
+    keys, values = stores[0]
+    if (slot_of.dtype != torch.int32 or not slot_of.is_contiguous() or slot_of.dim() != 2
+            or any(not 0 <= row < slot_of.shape[0] for row in moe_rows)
+            or not len(attention) == len(moe) == len(moe_rows) == len(stores)):
+        raise ValueError("decode_layers takes one int32 residency row per layer")
+    for a, m, (k, v) in zip(attention, moe, stores):
+        if ((m.struct.hidden, m.struct.inter, m.struct.experts, m.struct.top_k)
+                != (first.hidden, first.inter, experts, first.top_k)
+                or a.struct.hidden != first.hidden or k.shape != keys.shape
+                or v.shape != values.shape or k.dtype != keys.dtype or v.dtype != values.dtype
+                or not k.is_contiguous() or not v.is_contiguous()):
+            raise ValueError("decode_layers' layers disagree on their shapes")
+    row_bytes = slot_of.stride(0) * slot_of.element_size()
+    array = (StepLayerStruct * len(moe))(*(
+        StepLayerStruct(ctypes.addressof(a.struct), ctypes.addressof(m.struct), k.data_ptr(),
+                        v.data_ptr(), slot_of.data_ptr() + row * row_bytes)
+        for a, m, row, (k, v) in zip(attention, moe, moe_rows, stores)))
+    return StepLayers(array, tuple(attention), tuple(moe), slot_of)
+
+
+def check_layers_step(step: StepLayers, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      indices: list[torch.Tensor]) -> None:
+    """This step's tensors against the layers' (the attention block's checks, once; `keys`,
+    `values`: a layer's store, every layer's alike)."""
+    check_step(step.attention[0], x, cos, sin, keys, values, indices)
+    if h.shape != x.shape or h.dtype != x.dtype or not h.is_contiguous():
+        raise ValueError("decode_layers' normed rows must be laid out as its stream")
