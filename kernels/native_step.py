@@ -24,13 +24,20 @@ class StepLayerStruct(ctypes.Structure):
 @dataclass(frozen=True)
 class StepLayers:
     """The structs' array and the structs it points to (kept alive with it). It points into
-    the KV store without holding it (a store that grows or is released goes): its builder
+    the KV stores without holding them (a store that grows or is released goes): a call
+    checks that the store it is handed is the one the table was built over, and its builder
     rebuilds it whenever a store's address changes."""
 
     array: ctypes.Array
     attention: tuple[AttentionLayer, ...]
     moe: tuple[MoELayer, ...]
     slot_of: torch.Tensor               # [L, E] int32: the residency table
+    store: tuple[int, torch.Size, torch.Size]   # layer 0's keys address; keys, values shapes
+
+
+def _attention_shape(layer: AttentionLayer) -> tuple:
+    s = layer.struct
+    return s.hidden, s.heads, s.kv_heads, s.head_dim, s.rotary_dim
 
 
 def step_layers(attention: list[AttentionLayer], moe: list[MoELayer], moe_rows: list[int],
@@ -38,16 +45,17 @@ def step_layers(attention: list[AttentionLayer], moe: list[MoELayer], moe_rows: 
                 slot_of: torch.Tensor) -> StepLayers:
     """Layer i: `attention[i]`, `moe[i]` (row `moe_rows[i]` of `slot_of [L, E]`) and its
     store's keys and values `[N, h_kv, d]`. The layers must agree on every shape the call
-    shares between them (the pools, the routing's k, the store)."""
+    shares between them (the pools, the routing's k, the store, the rotary tables)."""
+    if (slot_of.dtype != torch.int32 or not slot_of.is_contiguous() or slot_of.dim() != 2
+            or not moe or not len(attention) == len(moe) == len(moe_rows) == len(stores)
+            or any(not 0 <= row < slot_of.shape[0] for row in moe_rows)):
+        raise ValueError("decode_layers takes one int32 residency row per layer")
     first, experts = moe[0].struct, slot_of.shape[1]
     keys, values = stores[0]
-    if (slot_of.dtype != torch.int32 or not slot_of.is_contiguous() or slot_of.dim() != 2
-            or any(not 0 <= row < slot_of.shape[0] for row in moe_rows)
-            or not len(attention) == len(moe) == len(moe_rows) == len(stores)):
-        raise ValueError("decode_layers takes one int32 residency row per layer")
     for a, m, (k, v) in zip(attention, moe, stores):
         if ((m.struct.hidden, m.struct.inter, m.struct.experts, m.struct.top_k)
                 != (first.hidden, first.inter, experts, first.top_k)
+                or _attention_shape(a) != _attention_shape(attention[0])
                 or a.struct.hidden != first.hidden or k.shape != keys.shape
                 or v.shape != values.shape or k.dtype != keys.dtype or v.dtype != values.dtype
                 or not k.is_contiguous() or not v.is_contiguous()):
@@ -57,14 +65,17 @@ def step_layers(attention: list[AttentionLayer], moe: list[MoELayer], moe_rows: 
         StepLayerStruct(ctypes.addressof(a.struct), ctypes.addressof(m.struct), k.data_ptr(),
                         v.data_ptr(), slot_of.data_ptr() + row * row_bytes)
         for a, m, row, (k, v) in zip(attention, moe, moe_rows, stores)))
-    return StepLayers(array, tuple(attention), tuple(moe), slot_of)
+    return StepLayers(array, tuple(attention), tuple(moe), slot_of,
+                      (keys.data_ptr(), keys.shape, values.shape))
 
 
 def check_layers_step(step: StepLayers, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       indices: list[torch.Tensor]) -> None:
     """This step's tensors against the layers' (the attention block's checks, once; `keys`,
-    `values`: a layer's store, every layer's alike)."""
+    `values`: layer 0's store, the one the table points into)."""
+    if (keys.data_ptr(), keys.shape, values.shape) != step.store:
+        raise ValueError("decode_layers' table was built over another KV store")
     check_step(step.attention[0], x, cos, sin, keys, values, indices)
     if h.shape != x.shape or h.dtype != x.dtype or not h.is_contiguous():
         raise ValueError("decode_layers' normed rows must be laid out as its stream")

@@ -200,7 +200,8 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False,
     kernels, chains = native.kernels(), decoder.MoEDecoder._chains
     calls = ("_gemv", "_moe", "_attend", "_block", "_moe_block", "_decode_layers")
     saved = {c: getattr(kernels, c) for c in calls} if kernels is not None else {}
-    # (their routing must stay valid)
+    # the blocks' stubs route every token to a resident expert: the pager counts the
+    # experts a step used as hits and checks they are resident
     stubs = {"_moe_block": _stub_moe_block, "_decode_layers": _stub_decode_layers}
     try:                                # the bench's own process only; restored at once
         for name, module in patched.items():

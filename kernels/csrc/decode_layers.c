@@ -25,11 +25,12 @@ typedef struct {
 /* Layers [first, num_layers) on the stream x [T, H] bf16, in place. The attention arguments
  * (cos ... lengths) as mox_attention_block_bf16 takes them, the same for every layer; the
  * pools and gating as mox_moe_block_bf16 takes them (one pool for the model's layers).
- * weights [num_layers, T, k] f32 and ids [num_layers, T, k] int32: each layer's routing, for
- * the layers reached. residual [T, H]: scratch. Returns num_layers when every layer ran, or
- * the index of the layer that found an expert missing, with x its stream after attention
- * (the MoE half's residual) and h [T, H] its normed rows; -1 for arguments refused, -2 out
- * of memory (x then undefined). */
+ * weights [num_layers, T, k] f32 and ids [num_layers, T, k] int32 (k: every layer's top_k):
+ * each layer's routing, for the layers reached. residual [T, H]: scratch. Returns num_layers
+ * when every layer ran, or the index of the layer that found an expert missing, with x its
+ * stream after attention (the MoE half's residual) and h [T, H] its normed rows; -1 for
+ * arguments refused, -2 out of memory. After an error at a layer past `first`, the layers
+ * before it have run (their keys and values stored, x their output): the step is lost. */
 int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_t num_layers,
                                uint16_t *x, uint16_t *h, int64_t T, const float *cos,
                                const float *sin, int64_t ldc, int64_t store_rows,
@@ -43,8 +44,8 @@ int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_
     for (int64_t i = first; i < num_layers; i++) {
         const step_layer_t *l = layers + i;
         int64_t routed = T * l->moe->top_k, H = l->attention->hidden;
-        if (l->moe->hidden != H)
-            return -1;
+        if (l->moe->hidden != H || l->moe->top_k != layers[0].moe->top_k)
+            return -1;                           /* (weights and ids are [L, T, k]) */
         int status = mox_attention_block_bf16(l->attention, x, T, cos, sin, ldc, l->keys,
                                               l->values, store_rows, slot_mapping, kv_slots,
                                               num_keys, starts, lengths, residual, h);

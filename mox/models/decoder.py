@@ -150,16 +150,16 @@ class MoEDecoder:
         """Every layer of a CPU decode step through native calls (csrc/decode_layers.c): one
         for the whole step while the tokens' experts are resident; a layer that finds one
         missing pages its experts in waves, and the next call takes up after it."""
-        kernels, h, first = native.kernels(), torch.empty_like(x), 0
+        kernels, h, first, step = native.kernels(), torch.empty_like(x), 0, None
         starts, lengths = batch.key_ranges
         tables, gate = batch.rotary_tables(self.rotary), activation(self.spec)
         stores = [batch.kv.rows(i) for i in range(len(self.layers))]
         while first < len(self.layers):
             with self.experts.holding() as hold:
+                step = step or self._step_layers(stores, hold.slot_of)
                 done, weights, ids = kernels.decode_layers(
-                    self._step_layers(stores, hold.slot_of), first, x, h, tables, stores[0],
-                    batch.slot_mapping, batch.kv_slots, starts, lengths, hold.w13, hold.w2,
-                    hold.scales, gate, hold.b13, hold.b2)
+                    step, first, x, h, tables, stores[0], batch.slot_mapping, batch.kv_slots,
+                    starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13, hold.b2)
                 hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
                                  ids[first:done].flatten(1).tolist())
             if done < len(self.layers):

@@ -184,8 +184,8 @@ class ModelPool(PagedPool):
             if hold is not None:
                 with self._lock:
                     pool.holds -= 1
-                    if hold.used:
-                        self._record_held(hold.used)
+                    for moe_layer, experts in hold.used:       # in the order they ran
+                        self._record_hits(moe_layer, sorted(set(experts)))
                     if not pool.holds:
                         self._drain()        # what waited for the holds (a shrink)
                         self._changed.notify_all()
@@ -304,27 +304,16 @@ class ModelPool(PagedPool):
         if self._inflight:
             self._settle_queued(moe_layer, set(wanted))
 
-    def _record_held(self, used: list[tuple[int, list[int]]]) -> None:
-        """A hold computed these layers' experts (each layer once, in order) in their slots:
-        usage, the miss-ratio curve (one record for them all) and hits, as waves of hits on
-        each layer in turn would count them."""
+    def _record_hits(self, moe_layer: int, wanted: list[int]) -> None:
+        """A step computed `wanted` (distinct, sorted, all resident) in their slots."""
+        self._record_access(moe_layer, wanted)
         now, pool = self.clock(), self.slot_pool
-        layers = [(moe_layer, sorted(set(experts))) for moe_layer, experts in used]
-        for moe_layer, wanted in layers:
-            self.usage.record(moe_layer, wanted, now)
-            if self._inflight:
-                self._settle_queued(moe_layer, set(wanted))
-        keys = np.concatenate([moe_layer * self.num_experts + np.asarray(wanted, int)
-                               for moe_layer, wanted in layers])
-        groups = np.repeat(np.arange(len(layers)), [len(wanted) for _, wanted in layers])
-        self.miss_curve.record(keys, now, groups)
-        for moe_layer, wanted in layers:
-            for expert in wanted:
-                key = (moe_layer, expert)
-                index = pool.lookup(key)
-                assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
-                self._count_hit(key, pool.slots[index], now)
-        self.counters.waves += len(layers)
+        for expert in wanted:
+            key = (moe_layer, expert)
+            index = pool.lookup(key)
+            assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+            self._count_hit(key, pool.slots[index], now)
+        self.counters.waves += 1
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
         self.counters.hits += 1

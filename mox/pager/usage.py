@@ -111,34 +111,23 @@ class MissRatioCurve:
         self._tick = 0
         self._decay = GrowingWeights(half_life_s, self.counts)
 
-    def record(self, keys: np.ndarray, now: float, groups: np.ndarray | None = None) -> None:
+    def record(self, keys: np.ndarray, now: float) -> None:
         """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step (the
-        pager passes a set's; not checked here, on every layer of every step). `groups [k]`
-        (ascending): several layer steps in one record, key i in step groups[i], counted as
-        one record per step in turn would count them."""
+        pager passes a set's; not checked here, on every layer of every step)."""
         slots = self._slot[keys]
         if self.ratio > 1:
-            tracked = slots >= 0
-            slots = slots[tracked]
-            groups = None if groups is None else groups[tracked]
+            slots = slots[slots >= 0]
         last = self.last_use[slots]
-        seen = last > -np.inf                                       # seen before
+        last = last[last > -np.inf]                                 # seen before
         # keys used at or after each one's last use: a comparison per (access, key) for a
         # decode's few accesses, a sort of the keys' times for a prefill's many
-        if seen.sum() <= SORT_ABOVE_ACCESSES:
-            distance = (self.last_use >= last[seen, None]).sum(axis=1)
+        if len(last) <= SORT_ABOVE_ACCESSES:
+            distance = (self.last_use >= last[:, None]).sum(axis=1)
         else:
             order = np.sort(self.last_use)
-            distance = len(order) - np.searchsorted(order, last[seen], side="left")
-        several = groups is not None and len(groups) > 0 and groups[-1] != groups[0]
-        if several:
-            # ... and the keys an earlier step of this record uses that were last used before
-            # it: those steps ran in between (a first use is before every other)
-            distance += ((groups[None, :] < groups[seen, None])
-                         & (last[None, :] < last[seen, None])).sum(axis=1)
-        last = last[seen]
+            distance = len(order) - np.searchsorted(order, last, side="left")
         weight = self._decay.weight(now) * self.ratio           # each stands for `ratio`
-        if self.ratio == 1 and not several:
+        if self.ratio == 1:
             # distinct last uses give distinct distances: a plain indexed add is exact
             self.counts[distance - 1] += weight
         else:

@@ -16,9 +16,10 @@ from tests.models.decode_batch import decode_batch
 pytestmark = pytest.mark.skipif(native.kernels() is None or not native.kernels().fast,
                                 reason="no native vector kernels on this machine")
 CHAINED = ("mixtral", "mixtral-sliding", "olmoe", "qwen3_moe")
-# the native blocks' shapes (the tiny Qwen3's I a multiple of 32), and OLMoE's routing and
+# the native blocks' shapes (the tiny Qwens' I a multiple of 32), and OLMoE's routing and
 # full q/k norm without the clipped qkv the attention block does not do
-OVERRIDES = {"qwen3_moe": dict(moe_intermediate_size=32), "olmoe": dict(clip_qkv=None)}
+OVERRIDES = {"qwen3_moe": dict(moe_intermediate_size=32), "olmoe": dict(clip_qkv=None),
+             "qwen2_moe": dict(moe_intermediate_size=32)}
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,62 @@ def test_a_layer_that_misses_pages_in_waves_and_the_chain_goes_on(checkpoints, m
     assert len(calls) > 1 and calls[0][0] == 0
     for (first, done), (following, _) in zip(calls, calls[1:]):
         assert first <= done < layers and following == done + 1
+    # every layer ran in a call or paged after the call that stopped at it
+    stopped = sum(done < layers for _, done in calls)
+    assert sum(done - first for first, done in calls) + stopped == layers
     assert counts["misses"] > 0 and counts == by_layer_counts
     assert torch.equal(chained, by_layer)
 
 
+def test_the_table_follows_a_kv_store_that_grows(checkpoints, monkeypatch):
+    """The layers' table points into the KV store without holding it: after the store grows
+    (every layer's tensors reallocated) the next step builds it anew, and a table handed
+    another store is refused rather than written through."""
+    model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
+    batch = decode_batch(model, torch.Generator().manual_seed(12))
+    first = model.forward_batch(batch)
+    table = model._step[1]
+    batch.kv.ensure_blocks(2 * batch.kv.num_blocks)        # moves every layer's tensors
+    again = model.forward_batch(batch)    # the same tokens at the same slots: the same K, V
+    assert model._step[1] is not table and torch.equal(again, first)
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder.MoEDecoder, "_chains", lambda self: False)
+        assert torch.equal(model.forward_batch(batch), first)
+    keys, values = batch.kv.rows(0)
+    kernels, x = native.kernels(), torch.zeros(3, model.spec.hidden_size, dtype=torch.bfloat16)
+    pool = model.experts.slot_pool
+    with pytest.raises(ValueError, match="another KV store"):
+        kernels.decode_layers(table, 0, x, torch.empty_like(x),
+                              batch.rotary_tables(model.rotary), (keys, values),
+                              batch.slot_mapping, batch.kv_slots, *batch.key_ranges,
+                              pool.w13, pool.w2)
+
+
+def test_prefetch_keeps_the_layers_apart(checkpoints, monkeypatch):
+    """The pager's prefetch routes each next layer from Python: such a model's steps do not
+    chain, and give the same logits."""
+    chained, _, _, _ = _step(checkpoints["mixtral"], monkeypatch, chained=True)
+    model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
+    model.experts.prefetch_enabled = True
+    batch = decode_batch(model, torch.Generator().manual_seed(11))
+    calls = []
+    kernels = native.kernels()
+    run = kernels.decode_layers
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "decode_layers", lambda *a, **k: calls.append(1) or run(*a, **k))
+        logits = model.forward_batch(batch)
+    assert calls == [] and torch.equal(logits, chained)
+
+
 def test_a_shared_expert_keeps_the_layers_apart(checkpoints, monkeypatch):
-    """Qwen2-MoE's shared expert is added in Python: its steps call no chain."""
-    logits, calls, counts, _ = _step(checkpoints["qwen2_moe"], monkeypatch, chained=True)
-    assert calls == [] and counts["hits"] > 0 and torch.isfinite(logits).all()
+    """Qwen2-MoE's shared expert is added in Python (and its second layer is a dense MLP):
+    its steps call no chain, and the MoE layers still take the native block."""
+    kernels, blocks = native.kernels(), []
+    block = kernels.moe_block
+    monkeypatch.setattr(kernels, "moe_block", lambda *a, **k: blocks.append(1) or block(*a, **k))
+    logits, calls, counts, model = _step(checkpoints["qwen2_moe"], monkeypatch, chained=True)
+    assert calls == [] and len(blocks) == model.spec.num_moe_layers
+    assert counts["hits"] > 0 and torch.isfinite(logits).all()
 
 
 def test_layers_that_disagree_are_refused(checkpoints):

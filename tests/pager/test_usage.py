@@ -7,8 +7,6 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mox.pager.usage import EXACT_KEYS, MissRatioCurve
 
@@ -88,24 +86,3 @@ def test_a_large_key_space_is_sampled_and_estimated_within_seven_points():
     hit_rates = curve.hit_rates()
     for size in (256, 1024, 2048, 4096):
         assert abs(hit_rates[size] - lru_hit_rate(trace, size)) < 0.07, size
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6000), st.data())
-def test_one_record_of_several_layer_steps_counts_as_a_record_of_each(num_keys, data):
-    """A decode step's layers recorded at once (`groups`) give the curve, bit for bit, that
-    one record per layer in turn gives: exact and sampled key spaces alike."""
-    one_by_one = MissRatioCurve(num_keys, half_life_s=1e9)
-    together = MissRatioCurve(num_keys, half_life_s=1e9)
-    keys = st.lists(st.integers(0, num_keys - 1), min_size=1, max_size=6, unique=True)
-    for _ in range(data.draw(st.integers(1, 8))):
-        step = data.draw(st.lists(keys, min_size=1, max_size=5))
-        step = [[key for key in group if not any(key in g for g in step[:i])]
-                for i, group in enumerate(step)]            # each key in one layer step
-        step = [group for group in step if group]
-        for group in step:
-            one_by_one.record(np.asarray(group), 0.0)
-        together.record(np.concatenate([np.asarray(g) for g in step]), 0.0,
-                        np.repeat(np.arange(len(step)), [len(g) for g in step]))
-    np.testing.assert_array_equal(together.counts, one_by_one.counts)
-    np.testing.assert_array_equal(together.last_use, one_by_one.last_use)
