@@ -175,16 +175,31 @@ static inline void rows_dot(const uint16_t *x, int64_t ldx, int64_t count, const
     }
 }
 
+/* one bf16 row [K] as float32 in `avx2_lane` order: each whole block of 16 widened as the
+ * tiles widen weights (unpacklo/hi with zeros), the tail in place */
+__attribute__((target("avx2")))
+static inline void widen_row_avx2(const uint16_t *x, int64_t K, float *xf) {
+    const __m256i zero = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256i bits = _mm256_loadu_si256((const __m256i *)(x + k));
+        _mm256_storeu_si256((__m256i *)(xf + k), _mm256_unpacklo_epi16(zero, bits));
+        _mm256_storeu_si256((__m256i *)(xf + k + 8), _mm256_unpackhi_epi16(zero, bits));
+    }
+    for (; k < K; k++)
+        xf[k] = bf16_to_f32(x[k]);
+}
+
 /* bf16 rows [M, K] (row stride ldx) as float32 [M, K] in `avx2_lane` order for the AVX2
- * path, or NULL (other paths need none; NULL too if out of memory, which the caller reports) */
+ * path, or NULL (other paths need none; NULL too if out of memory, which the caller reports).
+ * Vectorized: a scalar pass over 32 rows' activations was a serial 0.1 ms a GEMV. */
 static inline float *widen_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
                                 int isa) {
     if (isa != ISA_AVX2)
         return NULL;
     float *xf = malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     for (int64_t m = 0; xf != NULL && m < M; m++)
-        for (int64_t k = 0; k < K; k++)
-            xf[m * K + avx2_lane(k, K)] = bf16_to_f32(x[m * ldx + k]);
+        widen_row_avx2(x + m * ldx, K, xf + m * K);
     return xf;
 }
 
