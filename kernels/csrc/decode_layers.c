@@ -13,7 +13,7 @@
 
 #include "layers.h"
 
-/* One layer as the chain reads it (mox/kernels/native_step.py's StepLayer): its two halves'
+/* One layer as the chain reads it (mox/kernels/native_step.py's StepLayerStruct): its halves'
  * structs, its KV store rows and its row of the pager's live residency table. */
 typedef struct {
     const attention_layer_t *attention;
