@@ -31,7 +31,7 @@ class StepLayers:
     array: ctypes.Array
     attention: tuple[AttentionLayer, ...]
     moe: tuple[MoELayer, ...]
-    slot_of: torch.Tensor               # [L, E] int32: the residency table
+    slot_of: torch.Tensor               # [L, E] int32: the residency table (held: its rows)
     store: tuple[int, torch.Size, torch.Size]   # layer 0's keys address; keys, values shapes
 
 

@@ -24,6 +24,7 @@ the dense GEMMs timed alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import inspect
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -177,60 +179,59 @@ def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False,
     # (fused_moe: the MoE kernel, as fused_moe or, CPU decode, the native block's call)
     spent = dict.fromkeys(("attention", "attention_block", "moe_block", "fused_moe",
                            "moe_block_call", "decode_layers"), 0.0)
-    # the decoder holds its attention function (MHA or MLA) as an attribute; CPU decode runs
-    # the attention half (norms, attention, residual) as one native block instead
-    patched = {"attention": llm.model, "attention_block": decoder, "moe_block": decoder,
-               "fused_moe": moe_module}
-    originals = {name: getattr(module, name) for name, module in patched.items()}
-
-    def timing(name: str):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            out = originals[name](*args, **kwargs)
-            spent[name] += time.perf_counter() - start
-            return out
-
-        def steps_wrapper(*args, **kwargs):          # moe_block yields where reads wait
-            start = time.perf_counter()
-            out = yield from originals[name](*args, **kwargs)
-            spent[name] += time.perf_counter() - start
-            return out
-        return steps_wrapper if inspect.isgeneratorfunction(originals[name]) else wrapper
-
-    kernels, chains = native.kernels(), decoder.MoEDecoder._chains
-    calls = ("_gemv", "_moe", "_attend", "_block", "_moe_block", "_decode_layers")
-    saved = {c: getattr(kernels, c) for c in calls} if kernels is not None else {}
-    # the blocks' stubs route every token to a resident expert: the pager counts the
-    # experts a step used as hits and checks they are resident
-    stubs = {"_moe_block": _stub_moe_block, "_decode_layers": _stub_decode_layers}
-    try:                                # the bench's own process only; restored at once
-        for name, module in patched.items():
-            setattr(module, name, timing(name))
-        if kernels is not None:         # CPU decode: the MoE kernel is the native block
-            originals["moe_block_call"] = kernels.moe_block
-            kernels.moe_block = timing("moe_block_call")
-            originals["decode_layers"] = kernels.decode_layers
-            kernels.decode_layers = timing("decode_layers")
-        if not chained:
-            decoder.MoEDecoder._chains = lambda self: False
-        for call in saved if stub_kernels else ():
-            setattr(kernels, call, stubs.get(call, lambda *args: 0))
+    with _timing(llm, spent, stub_kernels, chained):      # restored on leaving
         spent["step"] = sum(timed(llm.engine.step, warm_up=False))
-    finally:
-        for call, fn in saved.items():
-            setattr(kernels, call, fn)
-        if kernels is not None:
-            del kernels.moe_block, kernels.decode_layers     # the class's methods again
-        if not chained:
-            decoder.MoEDecoder._chains = chains
-        for name, module in patched.items():
-            setattr(module, name, originals[name])
     spent["fused_moe"] += spent.pop("moe_block_call", 0.0)
     while llm.engine.has_work:
         llm.engine.step()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     return {**{f"{k}_ms": v / REPEATS * 1e3 for k, v in spent.items()}, "top_ops": [
         (e.key, round(e.self_cpu_time_total / 1e3, 2), e.count) for e in events[:PROFILE_TOP]]}
+
+
+@contextlib.contextmanager
+def _timing(llm: LLM, spent: dict[str, float], stub_kernels: bool, chained: bool):
+    """`decode_step`'s patches (this bench's own process only): each timed function adds its
+    seconds to `spent[name]`; the native kernels stubbed and the chain off as asked."""
+    # the decoder holds its attention function (MHA or MLA) as an attribute; CPU decode runs
+    # the attention half (norms, attention, residual) as one native block instead
+    patched = [(llm.model, "attention", "attention"), (decoder, "attention_block",
+               "attention_block"), (decoder, "moe_block", "moe_block"),
+               (moe_module, "fused_moe", "fused_moe")]
+    kernels = native.kernels()
+    if kernels is not None:         # CPU decode: the MoE kernel is the native block
+        patched += [(kernels, "moe_block", "moe_block_call"),
+                    (kernels, "decode_layers", "decode_layers")]
+
+    def timing(fn, name: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] += time.perf_counter() - start
+            return out
+
+        def steps_wrapper(*args, **kwargs):          # moe_block yields where reads wait
+            start = time.perf_counter()
+            out = yield from fn(*args, **kwargs)
+            spent[name] += time.perf_counter() - start
+            return out
+        return steps_wrapper if inspect.isgeneratorfunction(fn) else wrapper
+
+    # the blocks' stubs route every token to a resident expert: the pager counts the
+    # experts a step used as hits and checks they are resident
+    stubs = {"_moe_block": _stub_moe_block, "_decode_layers": _stub_decode_layers}
+    with contextlib.ExitStack() as stack:
+        for owner, attr, name in patched:
+            stack.enter_context(mock.patch.object(owner, attr,
+                                                  timing(getattr(owner, attr), name)))
+        if not chained:
+            stack.enter_context(mock.patch.object(decoder.MoEDecoder, "_chains",
+                                                  lambda self: False))
+        calls = ("_gemv", "_moe", "_attend", "_block", "_moe_block", "_decode_layers")
+        for call in calls if stub_kernels and kernels is not None else ():
+            stack.enter_context(mock.patch.object(kernels, call,
+                                                  stubs.get(call, lambda *args: 0)))
+        yield
 
 
 def _stub_moe_block(layer, h, num_tokens, slot_of, num_slots, p13, p2, gating, weights, ids,
