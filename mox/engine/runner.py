@@ -64,8 +64,9 @@ class ModelRunner:
         # a decode step's lists take to fill
         flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long,
                             device=self.model.device).split([len(values) for values in lists])
-        forward = ForwardBatch(*flat[:7], self.kv, logits_indices=flat[7],
-                               max_position=max(pos))
+        # (every token sampled, as in decode: no gather of the rows before the lm_head)
+        forward = ForwardBatch(*flat[:7], self.kv, max_position=max(pos),
+                               logits_indices=None if len(sample_at) == len(ids) else flat[7])
         forward.padded = partial(self._padded_layout, batch, len(ids), len(kv_slots))
         if decode:
             forward.key_ranges = flat[8], flat[9]

@@ -161,7 +161,7 @@ class MoEDecoder:
                     step, first, x, h, tables, stores[0], batch.slot_mapping, batch.kv_slots,
                     starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13, hold.b2)
                 hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
-                                 ids[first:done].flatten(1).tolist())
+                                 ids.numpy().reshape(len(ids), -1)[first:done].tolist())
             if done < len(self.layers):
                 x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
                                              h, x, weights[done], ids[done])

@@ -137,7 +137,7 @@ class ModelPool(PagedPool):
         wanted = sorted(set(expert_ids))
         with self._lock:
             self._check_not_parked()
-            self._record_access(moe_layer, wanted)
+            self._record_access([(moe_layer, wanted)])
             ready, pending, missing = self._classify(moe_layer, wanted)
             started = self._start_loads(moe_layer, missing, prefetched=False)
             pending, missing = pending + started, missing[len(started):]
@@ -184,8 +184,9 @@ class ModelPool(PagedPool):
             if hold is not None:
                 with self._lock:
                     pool.holds -= 1
-                    for moe_layer, experts in hold.used:       # in the order they ran
-                        self._record_hits(moe_layer, sorted(set(experts)))
+                    if hold.used:                          # the layers in the order they ran
+                        self._record_hits([(moe_layer, sorted(set(experts)))
+                                           for moe_layer, experts in hold.used])
                     if not pool.holds:
                         self._drain()        # what waited for the holds (a shrink)
                         self._changed.notify_all()
@@ -295,25 +296,31 @@ class ModelPool(PagedPool):
         if self.slot_pool.target_slots == 0:
             raise MoxError(f"model {self.name!r} has no expert memory (it is parked)")
 
-    def _record_access(self, moe_layer: int, wanted: list[int]) -> None:
-        """A step of the layer routes to `wanted` (distinct, sorted): usage, the miss-ratio
-        curve, and the reads queued for the layer."""
-        now = self.clock()
-        self.usage.record(moe_layer, wanted, now)
-        self.miss_curve.record(moe_layer * self.num_experts + np.asarray(wanted, int), now)
+    def _record_access(self, steps: list[tuple[int, list[int]]]) -> None:
+        """Layer steps, in order, route to these experts (each distinct, sorted; no layer
+        twice): usage, the miss-ratio curve, and the reads queued for the layers."""
+        now, num_experts = self.clock(), self.num_experts
+        for moe_layer, wanted in steps:
+            self.usage.record(moe_layer, wanted, now)
+        self.miss_curve.record(np.fromiter((moe_layer * num_experts + expert
+                                            for moe_layer, wanted in steps for expert in wanted),
+                                           int), now, [len(wanted) for _, wanted in steps])
         if self._inflight:
-            self._settle_queued(moe_layer, set(wanted))
+            for moe_layer, wanted in steps:
+                self._settle_queued(moe_layer, set(wanted))
 
-    def _record_hits(self, moe_layer: int, wanted: list[int]) -> None:
-        """A step computed `wanted` (distinct, sorted, all resident) in their slots."""
-        self._record_access(moe_layer, wanted)
+    def _record_hits(self, steps: list[tuple[int, list[int]]]) -> None:
+        """Layer steps, in order, computed these experts (each distinct, sorted, all
+        resident) in their slots."""
+        self._record_access(steps)
         now, pool = self.clock(), self.slot_pool
-        for expert in wanted:
-            key = (moe_layer, expert)
-            index = pool.lookup(key)
-            assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
-            self._count_hit(key, pool.slots[index], now)
-        self.counters.waves += 1
+        for moe_layer, wanted in steps:
+            for expert in wanted:
+                key = (moe_layer, expert)
+                index = pool.lookup(key)
+                assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+                self._count_hit(key, pool.slots[index], now)
+        self.counters.waves += len(steps)
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
         self.counters.hits += 1

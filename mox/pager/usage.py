@@ -10,6 +10,7 @@ Legend: L MoE layers, E experts per layer, N = L * E (every key a slot can hold)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -79,6 +80,9 @@ EXACT_KEYS = 2048
 # A record of more accesses than this sorts the keys' last uses (O(N log N)) rather than
 # comparing every access with every key (O(kN)): equal at about this many on 512 keys.
 SORT_ABOVE_ACCESSES = 8
+# A record of several layer steps compares each access with the others' (O(n^2)): above
+# this many accesses it records them in turn (a decode step of a few sequences is below).
+GROUPED_ACCESSES = 128
 
 
 def _spatial_hash(keys: np.ndarray) -> np.ndarray:
@@ -111,14 +115,25 @@ class MissRatioCurve:
         self._tick = 0
         self._decay = GrowingWeights(half_life_s, self.counts)
 
-    def record(self, keys: np.ndarray, now: float) -> None:
+    def record(self, keys: np.ndarray, now: float, sizes: list[int] | None = None) -> None:
         """`keys [k]`: distinct flat keys (layer * E + expert) used by one layer step (the
-        pager passes a set's; not checked here, on every layer of every step)."""
+        pager passes a set's; not checked here, on every layer of every step). Several layer
+        steps of one model step at once: `keys` concatenated, `sizes` each one's count, no key
+        in two of them (each is another layer); counted as records of each in turn would be,
+        bit for bit, in a few numpy calls rather than a dozen per layer."""
+        if sizes is not None and len(keys) > GROUPED_ACCESSES:     # n^2 past this: in turn
+            for start, size in zip(itertools.accumulate(sizes, initial=0), sizes):
+                self.record(keys[start:start + size], now)
+            return
         slots = self._slot[keys]
+        group = (np.repeat(np.arange(len(sizes)), sizes) if sizes is not None and len(sizes) > 1
+                 else None)
         if self.ratio > 1:
-            slots = slots[slots >= 0]
-        last = self.last_use[slots]
-        last = last[last > -np.inf]                                 # seen before
+            tracked = slots >= 0
+            slots, group = slots[tracked], None if group is None else group[tracked]
+        before = self.last_use[slots]
+        seen = before > -np.inf
+        last = before[seen]                                          # seen before
         # keys used at or after each one's last use: a comparison per (access, key) for a
         # decode's few accesses, a sort of the keys' times for a prefill's many
         if len(last) <= SORT_ABOVE_ACCESSES:
@@ -126,14 +141,21 @@ class MissRatioCurve:
         else:
             order = np.sort(self.last_use)
             distance = len(order) - np.searchsorted(order, last, side="left")
+        if group is not None:     # and the keys of earlier steps, used since, not yet counted
+            distance += ((before < last[:, None]) & (group < group[seen, None])).sum(axis=1)
         weight = self._decay.weight(now) * self.ratio           # each stands for `ratio`
-        if self.ratio == 1:
+        if self.ratio > 1:
+            distance = np.minimum(1 + (distance - 1) * self.ratio, self.num_keys)  # itself, once
+        if self.ratio == 1 and group is None:
             # distinct last uses give distinct distances: a plain indexed add is exact
             self.counts[distance - 1] += weight
-        else:
-            distance = np.minimum(1 + (distance - 1) * self.ratio, self.num_keys)  # itself, once
+        else:                                       # in order, as records in turn add them
             np.add.at(self.counts, distance - 1, weight)
-        self.counts[-1] += weight * (len(slots) - len(last))
+        if group is None:
+            self.counts[-1] += weight * (len(slots) - len(last))
+        else:
+            cold = np.bincount(group[~seen], minlength=len(sizes))
+            np.add.at(self.counts, np.full(len(sizes), -1), weight * cold)
         self.last_use[slots] = np.arange(self._tick, self._tick + len(slots))
         self._tick += len(slots)
 

@@ -7,6 +7,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mox.pager.usage import EXACT_KEYS, MissRatioCurve
 
@@ -86,3 +88,25 @@ def test_a_large_key_space_is_sampled_and_estimated_within_seven_points():
     hit_rates = curve.hit_rates()
     for size in (256, 1024, 2048, 4096):
         assert abs(hit_rates[size] - lru_hit_rate(trace, size)) < 0.07, size
+
+
+@pytest.mark.parametrize("num_keys", [512, 4 * EXACT_KEYS])     # every key, a quarter of them
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=12), min_size=1,
+                      max_size=20),
+       seed=st.integers(0, 2**32 - 1))
+def test_layer_steps_recorded_at_once_count_as_in_turn_bit_for_bit(num_keys, steps, seed):
+    """A decode step's layers in one record (the pager's hold) against a record per layer at
+    the same instant: the same counts, bit for bit, with decay weights that round (a weight
+    of 1.0 would hide an addition done in another order), and the same recency."""
+    rng = np.random.default_rng(seed)
+    at_once, in_turn = (MissRatioCurve(num_keys, half_life_s=7.0) for _ in range(2))
+    for t, sizes in enumerate(steps):
+        sizes = sizes[:num_keys // 40]                      # distinct keys across the layers
+        keys = rng.permutation(num_keys)[:sum(sizes)]
+        now = 0.37 * t
+        at_once.record(keys, now, sizes)
+        for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
+            in_turn.record(keys[start:start + size], now)
+    assert np.array_equal(at_once.counts, in_turn.counts)
+    assert np.array_equal(at_once.last_use, in_turn.last_use)
