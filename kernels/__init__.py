@@ -20,7 +20,13 @@ from .activation import ACTIVATIONS, CLAMPED_SWIGLU, SILU, SWIGLU_ALPHA, SWIGLU_
 from .moe_config import MoEKernelConfig, get_config
 from .moe_reference import reference_fused_moe
 from .moe_torch import NOT_RESIDENT, MoEWorkspace, fused_moe_torch
-from .moe_triton import fused_moe_triton, is_interpreter
+from .moe_triton import (
+    ExpertRows,
+    MappedExpert,
+    expert_rows,
+    fused_moe_triton,
+    is_interpreter,
+)
 from .quant import ExpertScales, WeightFormat, dequantize, quantize
 from .routing import (
     sigmoid_grouped_topk,
@@ -39,8 +45,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               out_dtype: torch.dtype | None = None, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
               swiglu_limit: float = SWIGLU_LIMIT,
-              scales: ExpertScales | None = None) -> torch.Tensor:
+              scales: ExpertScales | None = None, rows: ExpertRows | None = None
+              ) -> torch.Tensor:
     """`workspace` (torch path only) keeps buffers across calls; pass one per caller.
+    `rows` (Triton path only): the row space `slot_of` indexes, with experts read in place
+    past the pools' slots (`expert_rows`).
     `out_dtype` (default x's): float32 returns the sum before rounding (the torch path; the
     Triton path rounds to x's dtype in its epilogue, then converts). `scales`: w13 and w2
     are stored quantized (mox.kernels.quant)."""
@@ -58,19 +67,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose from {BACKENDS}")
     triton_can = activation == SILU and b13 is None
+    if rows is not None and rows.mapped and not (backend == "triton" or (
+            backend == "auto" and x.is_cuda and triton_can)):
+        raise ValueError("experts mapped past the pools' slots are read by the Triton path "
+                         "only (a GPU, or backend='triton')")
     if backend == "triton" and not triton_can:
         raise ValueError(f"the Triton MoE path runs activation 'silu' without expert biases; "
                          f"got {activation!r}{' with biases' if b13 is not None else ''}: "
                          f"use backend='torch' (or 'auto')")
     if backend == "triton" or (backend == "auto" and x.is_cuda and triton_can):
-        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of, scales=scales)
+        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_of, scales=scales,
+                               rows=rows)
         return out if out_dtype is None else out.to(out_dtype)
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, slot_of, workspace, out_dtype,
                            act, b13, b2, scales)
 
 
-__all__ = ["ACTIVATIONS", "CLAMPED_SWIGLU", "NOT_RESIDENT", "SILU", "Activation",
-           "ExpertScales", "MoEKernelConfig", "MoEWorkspace", "WeightFormat", "dequantize",
-           "fused_moe", "fused_moe_torch", "fused_moe_triton", "get_config", "is_interpreter",
-           "quantize", "reference_fused_moe", "sigmoid_grouped_topk",
-           "softmax_group_limited_topk", "softmax_topk", "topk_softmax"]
+__all__ = ["ACTIVATIONS", "CLAMPED_SWIGLU", "NOT_RESIDENT", "SILU", "Activation", "dequantize",
+           "expert_rows", "ExpertRows", "ExpertScales", "fused_moe", "fused_moe_torch",
+           "fused_moe_triton", "get_config", "is_interpreter", "MappedExpert", "MoEKernelConfig",
+           "MoEWorkspace", "quantize", "reference_fused_moe", "sigmoid_grouped_topk",
+           "softmax_group_limited_topk", "softmax_topk", "topk_softmax", "WeightFormat"]

@@ -11,6 +11,10 @@ Design (as vLLM's and SGLang's fused_moe):
    halves as two accumulators), store SiLU(gate) * up: the [P, 2I] product never exists.
 3. down: multiply by w2[slot], scale by the routing weight, store one row per pair; the k rows
    of a token are summed afterwards (deterministic, unlike atomics).
+A slot map's values index a row space (`ExpertRows`): each row's weights are an element offset
+from the pool's pointer, so an expert read in place outside the pool (on a GPU: pinned host
+memory mapped into the device's address space, while the pager copies it into a slot) takes
+the same code path as a resident one.
 Quantized pools (int8, int4, FP8, MXFP4; mox.kernels.quant) are dequantized tile by tile inside
 the K loops (each value times its block's scale), so only stored bytes cross memory.
 fp32 accumulation; pair, token and slot offsets are int64, because int32 offsets overflow
@@ -46,9 +50,74 @@ class AlignedPairs:
     num_padded: torch.Tensor        # [1] int32: used length of sorted_pairs, on the device
 
 
+@dataclass(frozen=True)
+class MappedExpert:
+    """An expert read in place, laid out as one slot of the pools: `w13 [2I, H']`,
+    `w2 [H, I']`, and a quantized pool's scales `s13 [2, nb, kb]`, `s2 [nb, kb]`."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The rows a slot map's values index: each row's w13, w2 (and scales) as element offsets
+    from the pool tensors' first elements. Rows [0, S) are the pools' slots; row S + i is
+    `mapped[i]`, which this object keeps alive (the kernels read it by address)."""
+
+    w13: torch.Tensor                 # [R] int64
+    w2: torch.Tensor                  # [R] int64
+    s13: torch.Tensor | None          # [R] int64, quantized pools only
+    s2: torch.Tensor | None
+    mapped: tuple[MappedExpert, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return self.w13.numel()
+
+
+def expert_rows(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+                mapped: tuple[MappedExpert, ...] = ()) -> ExpertRows:
+    """The row space of these pools plus `mapped` experts. The slots' offsets are device
+    arithmetic (no host sync: built in the hot path when nothing is mapped); a mapped expert
+    must have a slot's dtype, shape and strides and be readable where the pools are (the same
+    GPU, or pinned host memory; any CPU tensor under the interpreter)."""
+    def offsets(pool: torch.Tensor, extra: list[torch.Tensor | None], name: str) -> torch.Tensor:
+        slots = torch.arange(0, pool.shape[0] * pool.stride(0), pool.stride(0),
+                             dtype=torch.int64, device=pool.device)      # one launch
+        size, others = pool.element_size(), []
+        for i, t in enumerate(extra):
+            if t is None:
+                raise ValueError(f"mapped expert {i}: no {name} (the pools have one)")
+            if (t.dtype, t.shape, t.stride()) != (pool.dtype, pool.shape[1:], pool.stride()[1:]):
+                raise ValueError(f"mapped expert {i}: {name} must be laid out as a slot of the "
+                                 f"pool ({pool.dtype}, {tuple(pool.shape[1:])}, strides "
+                                 f"{pool.stride()[1:]}); got {t.dtype}, {tuple(t.shape)}, "
+                                 f"strides {t.stride()}")
+            if pool.is_cuda and not (t.device == pool.device or t.is_pinned()):
+                raise ValueError(f"mapped expert {i}: {name} is on {t.device}, not readable "
+                                 f"from {pool.device} (use pinned host memory)")
+            delta = t.data_ptr() - pool.data_ptr()
+            if delta % size:
+                raise ValueError(f"mapped expert {i}: {name} is not aligned to its dtype")
+            others.append(delta // size)
+        if not others:
+            return slots
+        return torch.cat((slots, torch.tensor(others, dtype=torch.int64).to(pool.device)))
+    scaled = scales is not None
+    return ExpertRows(offsets(w13, [m.w13 for m in mapped], "w13"),
+                      offsets(w2, [m.w2 for m in mapped], "w2"),
+                      offsets(scales.w13, [m.s13 for m in mapped], "s13") if scaled else None,
+                      offsets(scales.w2, [m.s2 for m in mapped], "s2") if scaled else None,
+                      tuple(mapped))
+
+
 def align_pairs(topk_ids: torch.Tensor, slot_of: torch.Tensor, num_slots: int,
                 block_m: int) -> AlignedPairs:
-    """Group the (token, expert) pairs by slot, each run padded to BM; drops non-resident."""
+    """Group the (token, expert) pairs by slot (a row of `ExpertRows`: `num_slots` counts
+    them all), each run padded to BM; drops non-resident."""
     num_pairs = topk_ids.numel()
     device = topk_ids.device
     slots = slot_of[topk_ids.reshape(-1).long()].long()                   # [P]
@@ -119,10 +188,11 @@ def _weight_tile(w_ptr, s_ptr, offs_n, k, mask, stride_wn, stride_wk, stride_sn,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_slot_ptr,
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, w13_rows_ptr, s13_rows_ptr, out_ptr,
+                    sorted_pairs_ptr, block_slot_ptr,
                     num_padded_ptr, num_pairs, num_m_blocks, hidden, inter, top_k,
-                    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_op, stride_oi,
-                    stride_ss, stride_sg, stride_sn, stride_sk, block_rows, block_cols,
+                    stride_xt, stride_xh, stride_wn, stride_wh, stride_op, stride_oi,
+                    stride_sg, stride_sn, stride_sk, block_rows, block_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
                     QUANT: tl.constexpr, PACKED: tl.constexpr):
@@ -136,9 +206,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_sl
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    gate_ptr = w13_ptr + slot * stride_ws
+    gate_ptr = w13_ptr + tl.load(w13_rows_ptr + slot)          # the slot's, or mapped
     up_ptr = gate_ptr + inter * stride_wn
-    gate_scale = s13_ptr + slot * stride_ss                   # [2, nb, kb]: gate's, up's
+    gate_scale = s13_ptr + tl.load(s13_rows_ptr + slot)       # [2, nb, kb]: gate's, up's
     up_scale = gate_scale + stride_sg
     n_ok = offs_n < inter
     dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty
@@ -166,10 +236,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, out_ptr, sorted_pairs_ptr, block_sl
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
-                 block_slot_ptr, num_padded_ptr, num_pairs, num_m_blocks, hidden, inter,
-                 stride_ap, stride_ai, stride_ws, stride_wh, stride_wi, stride_op, stride_oh,
-                 stride_ss, stride_sn, stride_sk, block_rows, block_cols,
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, w2_rows_ptr, s2_rows_ptr, out_ptr, weights_ptr,
+                 sorted_pairs_ptr, block_slot_ptr, num_padded_ptr, num_pairs, num_m_blocks,
+                 hidden, inter, stride_ap, stride_ai, stride_wh, stride_wi, stride_op,
+                 stride_oh, stride_sn, stride_sk, block_rows, block_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
                  QUANT: tl.constexpr, PACKED: tl.constexpr):
@@ -182,7 +252,8 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_ap + offs_k[None, :] * stride_ai
-    w_ptr, scale_ptr = w2_ptr + slot * stride_ws, s2_ptr + slot * stride_ss
+    w_ptr = w2_ptr + tl.load(w2_rows_ptr + slot)
+    scale_ptr = s2_ptr + tl.load(s2_rows_ptr + slot)
     n_ok = offs_n < hidden
     dtype = tl.float32 if UPCAST else act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,21 +278,25 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, slot_of: torch.Tensor,
                      config: MoEKernelConfig | None = None,
-                     scales: ExpertScales | None = None) -> torch.Tensor:
+                     scales: ExpertScales | None = None,
+                     rows: ExpertRows | None = None) -> torch.Tensor:
     """Launcher: checks layouts, aligns pairs, runs both grouped GEMMs, sums the k rows.
     `scales`: w13 and w2 are stored quantized (mox.kernels.quant), dequantized tile by tile
-    inside the K loops."""
+    inside the K loops. `rows`: the row space `slot_of` indexes (`expert_rows`; default the
+    pools' slots)."""
     num_tokens, top_k = topk_ids.shape
     num_slots, hidden = w2.shape[:2]
     inter = w13.shape[1] // 2
     assert scales is not None or x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "need row-major rows"
     assert x.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    rows = rows if rows is not None else expert_rows(w13, w2, scales)
+    assert rows.num_rows >= num_slots and (rows.s13 is None) == (scales is None)
     if config is None:
         device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
         config = get_config(slot_of.numel(), inter, device_name, x.dtype, num_tokens)
     num_pairs = num_tokens * top_k
-    aligned = align_pairs(topk_ids, slot_of, num_slots, config.block_m)
+    aligned = align_pairs(topk_ids, slot_of, rows.num_rows, config.block_m)
     num_m_blocks = aligned.block_slot.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)          # [P, I]
     pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
@@ -232,21 +307,22 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  PACKED=PACKED_KINDS.get(fmt.kind if fmt else None, 0),
                  num_warps=config.num_warps,
                  num_stages=config.num_stages)
-    s13 = w13 if scales is None else scales.w13           # (unread without QUANT)
-    s13_strides = (0, 0, 0, 0) if scales is None else s13.stride()
-    rows = 1 if fmt is None else fmt.block_rows
+    # (without QUANT the scale pointers and offsets are never read: the weights' stand in)
+    s13, s13_rows = (w13, rows.w13) if scales is None else (scales.w13, rows.s13)
+    s13_strides = (0, 0, 0) if scales is None else s13.stride()[1:]
+    block_rows = 1 if fmt is None else fmt.block_rows
     _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
-        x, w13, s13, act, aligned.sorted_pairs, aligned.block_slot, aligned.num_padded,
-        num_pairs, num_m_blocks, hidden, inter, top_k,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), act.stride(1), *s13_strides, rows,
+        x, w13, s13, rows.w13, s13_rows, act, aligned.sorted_pairs, aligned.block_slot,
+        aligned.num_padded, num_pairs, num_m_blocks, hidden, inter, top_k,
+        x.stride(0), x.stride(1), w13.stride(1), w13.stride(2),
+        act.stride(0), act.stride(1), *s13_strides, block_rows,
         hidden if fmt is None or fmt.block_cols == 0 else fmt.block_cols, **flags)
-    s2 = w2 if scales is None else scales.w2
-    s2_strides = (0, 0, 0) if scales is None else s2.stride()
+    s2, s2_rows = (w2, rows.w2) if scales is None else (scales.w2, rows.s2)
+    s2_strides = (0, 0) if scales is None else s2.stride()[1:]
     _down_kernel[(num_m_blocks * triton.cdiv(hidden, config.block_n),)](
-        act, w2, s2, pair_out, topk_weights.reshape(-1), aligned.sorted_pairs,
-        aligned.block_slot, aligned.num_padded, num_pairs, num_m_blocks, hidden, inter,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        pair_out.stride(0), pair_out.stride(1), *s2_strides, rows,
+        act, w2, s2, rows.w2, s2_rows, pair_out, topk_weights.reshape(-1),
+        aligned.sorted_pairs, aligned.block_slot, aligned.num_padded, num_pairs, num_m_blocks,
+        hidden, inter, act.stride(0), act.stride(1), w2.stride(1), w2.stride(2),
+        pair_out.stride(0), pair_out.stride(1), *s2_strides, block_rows,
         inter if fmt is None or fmt.block_cols == 0 else fmt.block_cols, **flags)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)          # [T, H]

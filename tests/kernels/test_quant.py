@@ -29,7 +29,7 @@ from mox.kernels.quant import (
     quantize,
     unpack_int4,
 )
-from tests.kernels.problems import make_problem
+from tests.kernels.problems import make_problem, quantized_pool
 
 FORMATS = [pytest.param(INT8_PER_CHANNEL, id="int8"), pytest.param(INT4_GROUP128, id="int4"),
            pytest.param(FP8_BLOCK128, id="fp8-block"),
@@ -42,22 +42,6 @@ NATIVE = native.kernels()
 SMALL_TILES = MoEKernelConfig(block_m=16, block_n=32, block_k=32)     # several K steps a block
 
 
-def _quantized_pool(w13: torch.Tensor, w2: torch.Tensor, fmt: WeightFormat):
-    """Slot pools as mox holds them: stored weights, scales `[S, 2, nb, kb]`, `[S, nb, kb]`."""
-    inter = w13.shape[1] // 2
-    parts = {"gate": [], "up": [], "down": []}
-    for slot in range(w13.shape[0]):
-        for name, weight in (("gate", w13[slot, :inter]), ("up", w13[slot, inter:]),
-                             ("down", w2[slot])):
-            parts[name].append(quantize(weight, fmt))
-    data13 = torch.stack([torch.cat((g[0], u[0])) for g, u in zip(parts["gate"], parts["up"])])
-    scale13 = torch.stack([torch.stack((g[1], u[1])) for g, u in zip(parts["gate"],
-                                                                        parts["up"])])
-    data2 = torch.stack([d[0] for d in parts["down"]])
-    scale2 = torch.stack([d[1] for d in parts["down"]])
-    return data13, data2, ExpertScales(fmt, scale13, scale2)
-
-
 def _quantized_problem(fmt, num_tokens: int, hidden: int, inter: int, num_experts: int,
                        num_slots: int, seed: int, num_missing: int):
     """A fused-MoE problem over a quantized pool: (x, weights, ids, slot_of), the stored
@@ -66,7 +50,7 @@ def _quantized_problem(fmt, num_tokens: int, hidden: int, inter: int, num_expert
                                                      k=2, num_slots=num_slots,
                                                      dtype=torch.float32, seed=seed,
                                                      num_missing=num_missing)
-    data13, data2, scales = _quantized_pool(w13, w2, fmt)
+    data13, data2, scales = quantized_pool(w13, w2, fmt)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(num_slots),
                                    torch.float32)
     return (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2)
@@ -212,7 +196,7 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     are)."""
     hidden, inter, counts, slots = 128, 64, [2, 1, 9], [4, 0, 2]   # (48-row blocks: ragged)
     x, w13, w2, *_ = make_problem(1, hidden, inter, 4, 2, num_slots=5, dtype=torch.float32)
-    data13, data2, scales = _quantized_pool(w13, w2, fmt)
+    data13, data2, scales = quantized_pool(w13, w2, fmt)
     num_rows = sum(counts)
     rows = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(4)).bfloat16()
     row_weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(5))
