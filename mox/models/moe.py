@@ -149,7 +149,7 @@ def paged_experts(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.T
                          spec.activation, backend="auto", workspace=experts.workspace,
                          out_dtype=torch.float32, b13=lease.b13, b2=lease.b2,
                          swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit,
-                         scales=lease.scales)
+                         scales=lease.scales, rows=lease.rows)
         out = part if out is None else out.add_(part)
     return x + _add_shared(w, h, out.to(h.dtype))
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mox.errors import MoxError
-from mox.kernels import NOT_RESIDENT, ExpertScales
+from mox.kernels import NOT_RESIDENT, ExpertRows, ExpertScales
 from mox.pager.eviction import ExpertKey
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
@@ -50,6 +50,7 @@ class Lease:
     b13: torch.Tensor | None = None      # [S, 2I] expert biases, where the model has them
     b2: torch.Tensor | None = None       # [S, H]
     scales: ExpertScales | None = None   # w13 and w2 are stored quantized
+    rows: ExpertRows | None = None       # the row space slot_map indexes (the slots)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Hold:
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     scales: ExpertScales | None = None
+    rows: ExpertRows | None = None
     used: list[tuple[int, list[int]]] = field(default_factory=list)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mox.kernels import NOT_RESIDENT, ExpertScales, WeightFormat
+from mox.kernels import NOT_RESIDENT, ExpertRows, ExpertScales, WeightFormat, expert_rows
 from mox.loaders.experts import (
     DOWN,
     DOWN_BIAS,
@@ -113,17 +113,19 @@ class SlotPool:
         self._in_use: tuple | None = None     # ((size, w13 address), in_use()'s tensors)
 
     def in_use(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                              torch.Tensor | None, ExpertScales | None]:
-        """w13, w2, b13, b2 and the scales over the slots of the current size (the mapped
-        tensors span every expert; a kernel sizes its per-slot work by the first dim)."""
+                              torch.Tensor | None, ExpertScales | None, ExpertRows]:
+        """w13, w2, b13, b2, the scales and the slots' row table (the Triton kernels read
+        each slot through it) over the slots of the current size (the mapped tensors span
+        every expert; a kernel sizes its per-slot work by the first dim)."""
         n = self.num_slots
         key = (n, self.w13.data_ptr())       # (every wave asks; slicing five tensors is not free)
         if self._in_use is None or self._in_use[0] != key:
             scales = (None if self.fmt is None else
                       ExpertScales(self.fmt, self.w13_scale[:n], self.w2_scale[:n]))
-            self._in_use = key, (self.w13[:n], self.w2[:n],
-                                 None if self.b13 is None else self.b13[:n],
-                                 None if self.b2 is None else self.b2[:n], scales)
+            w13, w2 = self.w13[:n], self.w2[:n]
+            self._in_use = key, (w13, w2, None if self.b13 is None else self.b13[:n],
+                                 None if self.b2 is None else self.b2[:n], scales,
+                                 expert_rows(w13, w2, scales))
         return self._in_use[1]
 
     def _parts(self) -> list[torch.Tensor]:

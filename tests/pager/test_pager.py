@@ -85,6 +85,26 @@ def test_waves_cover_more_experts_than_slots_exactly_once(ckpt):
     assert stats["peak_resident_bytes"] <= stats["budget_bytes"]
 
 
+def test_leases_carry_the_slots_row_table_the_triton_kernel_reads(ckpt):
+    """Each lease's `rows` is its pools' slots (rebuilt when the pools grow), and the Triton
+    kernel (interpreted here) reading a wave through it gives what the torch path gives."""
+    from mox.kernels import fused_moe, softmax_topk
+    pool = new_pool(ckpt, num_slots=3)
+    gen = torch.Generator().manual_seed(0)
+    hidden = pool.slot_pool.hidden
+    x = torch.randn(5, hidden, generator=gen)
+    weights, ids = softmax_topk(torch.randn(5, 8, generator=gen), 2, renormalize=True)
+    for lease in pool.waves(1, ids.reshape(-1).tolist()):
+        assert lease.rows.num_rows == lease.w13.shape[0] == 3
+        assert lease.rows.w13.tolist() == [s * lease.w13.stride(0) for s in range(3)]
+        args = (x, lease.w13, lease.w2, weights, ids, lease.slot_map)
+        torch.testing.assert_close(fused_moe(*args, backend="triton", rows=lease.rows),
+                                   fused_moe(*args, backend="torch"), atol=1e-5, rtol=1e-5)
+    pool.resize(5)
+    with pool.holding() as hold:
+        assert hold.rows.num_rows == hold.w13.shape[0] == pool.slot_pool.num_slots
+
+
 def test_hits_come_first_and_count(ckpt):
     pool = new_pool(ckpt, num_slots=4)
     pool.release(pool.acquire(0, [1, 2]))
