@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mox.kernels import MappedExpert
 from mox.kernels.quant import e8m0_to_float
 from mox.loaders import ExpertTensors
-from mox.loaders.experts import DOWN_SCALES, GATE_UP_SCALES, MXFP4_ROLES
+from mox.loaders.experts import DOWN, DOWN_SCALES, GATE, GATE_UP_SCALES, MXFP4_ROLES, UP
 from mox.loaders.stream import ByteRange, StreamingReader
 from mox.pager.host_cache import CacheKey, HostCache
 from mox.pager.slot_pool import SlotPool
@@ -74,6 +75,26 @@ class ExpertLoader:
             if self.host_cache:
                 self.host_cache.put(cache_key, raw)
         return LoadResult(source, tensors.nbytes, time.perf_counter() - start)
+
+    def mapped(self, pool: SlotPool, tensors: ExpertTensors,
+               cache_key: CacheKey) -> MappedExpert | None:
+        """The expert as the Triton kernels can read it in place from the host cache (pinned
+        host memory, mapped into the GPU's address space), or None: not cached, or not
+        stored as a slot holds it (gate, up, down in the pool's dtype, gate's rows right
+        before up's; no scales or biases)."""
+        roles = tuple(part.role for part in tensors.parts)
+        if (self.host_cache is None or roles != (GATE, UP, DOWN) or pool.fmt is not None
+                or pool.has_bias or any(i.dtype != pool.dtype for i in tensors.infos)):
+            return None
+        raw = self.host_cache.get(cache_key)
+        if raw is None:
+            return None
+        gate, up, down = _split(raw, tensors.infos)
+        w13_shape, w2_shape = pool.w13.shape[1:], pool.w2.shape[1:]
+        if (gate.shape[0] + up.shape[0], *gate.shape[1:]) != w13_shape or down.shape != w2_shape:
+            return None
+        # gate's bytes, then up's: one [2I, H] matrix, as in a slot
+        return MappedExpert(raw[:gate.nbytes + up.nbytes].view(pool.dtype).view(w13_shape), down)
 
     def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = getattr(self._local, "staging", None)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mox.errors import MoxError
-from mox.kernels import NOT_RESIDENT, ExpertRows, ExpertScales
+from mox.kernels import NOT_RESIDENT, ExpertRows, ExpertScales, MappedExpert, expert_rows
 from mox.pager.eviction import ExpertKey
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
@@ -132,7 +132,9 @@ class ModelPool(PagedPool):
     # ---- leases ------------------------------------------------------------------------
     def wave_steps(self, moe_layer: int,
                    expert_ids: Iterable[int]) -> Iterator[Lease | ReadsPending]:
-        """Leases covering `expert_ids` of one layer, resident ones first; each lease is
+        """Leases covering `expert_ids` of one layer, resident ones first (with the misses
+        the Triton kernels may read in place from the pinned host cache, where
+        `maps_host_experts`: they load into slots meanwhile, for later steps); each lease is
         released when the caller asks for the next (or stops iterating). Where a wave must
         wait for reads, a `ReadsPending` comes first: its caller may run other work and ask
         for the next item once it is `done` (asking earlier blocks until it is)."""
@@ -141,11 +143,15 @@ class ModelPool(PagedPool):
             self._check_not_parked()
             self._record_access([(moe_layer, wanted)])
             ready, pending, missing = self._classify(moe_layer, wanted)
+            mapped = self._map_from_host(moe_layer, missing)
             started = self._start_loads(moe_layer, missing, prefetched=False)
-            pending, missing = pending + started, missing[len(started):]
+            # mapped misses load into slots for later steps; this one reads them in place
+            pending = [e for e in pending + started if e not in mapped]
+            missing = [e for e in missing[len(started):] if e not in mapped]
         while True:
-            if ready:
-                lease = self._lease(moe_layer, ready)
+            if ready or mapped:
+                lease = self._lease(moe_layer, ready, mapped)
+                mapped = {}
                 try:
                     yield lease
                 finally:
@@ -223,6 +229,11 @@ class ModelPool(PagedPool):
             for index in lease.slots:
                 self.slot_pool.slots[index].pins -= 1
                 self.slot_pool.slots[index].last_use = done
+            # host memory the kernels read in place stays allocated until they end
+            self._mapped_in_flight = [(event, rows) for event, rows in self._mapped_in_flight
+                                      if not event.query()]
+            if done is not None and lease.rows is not None and lease.rows.mapped:
+                self._mapped_in_flight.append((done, lease.rows))
             self._drain()
             self._changed.notify_all()
 
@@ -377,17 +388,42 @@ class ModelPool(PagedPool):
                 ready.append(expert)
         return ready, gone
 
-    def _lease(self, moe_layer: int, experts: list[int]) -> Lease:
+    def _lease(self, moe_layer: int, experts: list[int],
+               mapped: dict[int, MappedExpert] | None = None) -> Lease:
         with self._lock:
             self.counters.waves += 1
             keys = [(moe_layer, e) for e in experts]
-            return self._make_lease(moe_layer, keys, [self.slot_pool.lookup(k) for k in keys])
+            return self._make_lease(moe_layer, keys, [self.slot_pool.lookup(k) for k in keys],
+                                    mapped or {})
 
-    def _make_lease(self, moe_layer: int, keys: list[ExpertKey], slots: list[int]) -> Lease:
+    def _make_lease(self, moe_layer: int, keys: list[ExpertKey], slots: list[int],
+                    mapped: dict[int, MappedExpert] | None = None) -> Lease:
+        """A lease of these slots, and of `mapped` experts read in place: rows S + i of the
+        pools' row space, past the slots."""
         pool = self.slot_pool
         assert all(pool.slots[i].pins > 0 for i in slots)
-        return Lease(moe_layer, tuple(slots), pool.lease_map(list(zip(keys, slots))),
-                     *pool.in_use())
+        w13, w2, b13, b2, scales, rows = pool.in_use()
+        entries = list(zip(keys, slots))
+        if mapped:
+            entries += [((moe_layer, expert), w13.shape[0] + i)
+                        for i, expert in enumerate(mapped)]
+            rows = expert_rows(w13, w2, scales, tuple(mapped.values()))
+        return Lease(moe_layer, tuple(slots), pool.lease_map(entries), w13, w2, b13, b2,
+                     scales, rows)
+
+    def _map_from_host(self, moe_layer: int, missing: list[int]) -> dict[int, MappedExpert]:
+        """The missing experts the kernels may read in place from the host cache (GPUs:
+        pinned memory mapped into the device's address space), by expert."""
+        if not (self.maps_host_experts and missing and self.loader.host_cache is not None):
+            return {}
+        layer, mapped = self.moe_layers[moe_layer], {}
+        for expert in missing:
+            found = self.loader.mapped(self.slot_pool, self.ckpt.experts[layer, expert],
+                                       (self.name, moe_layer, expert))
+            if found is not None:
+                mapped[expert] = found
+        self.counters.mapped_reads += len(mapped)
+        return mapped
 
     # ---- reporting ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mox.errors import MoxError
-from mox.kernels import MoEWorkspace
+from mox.kernels import SILU, MoEWorkspace
 from mox.loaders import Checkpoint
 from mox.loaders.io_pool import DEMAND, PREFETCH
 from mox.pager.eviction import ExpertKey, make_policy
@@ -70,6 +70,11 @@ class PagedPool:
         self._inflight: dict[ExpertKey, Future] = {}
         self._resized_at = -math.inf          # when `resize` last changed the slot count
         self.waiting_on: str | None = None    # what a step waits for now (the watchdog reads)
+        # a miss whose bytes sit in the (pinned) host cache is computed from there in place by
+        # the Triton kernels while it loads into a slot: GPUs, experts they take (SiLU)
+        self.maps_host_experts = device.type == "cuda" and spec.activation == SILU
+        # (GPU) mapped experts' rows, kept alive until the kernels that read them end
+        self._mapped_in_flight: list[tuple[torch.cuda.Event, object]] = []
 
     @property
     def loader(self) -> ExpertLoader:

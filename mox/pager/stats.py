@@ -27,6 +27,7 @@ class PagerStats:
     read_seconds: float = 0.0          # summed over I/O threads
     stall_seconds: float = 0.0         # steps waiting for experts to arrive
     evictions: int = 0
+    mapped_reads: int = 0              # misses computed in place from the host cache (GPU)
     waves: int = 0
     peak_resident_bytes: int = 0
     # reads by duration: [i] counts reads of at most PAGE_IN_BUCKETS[i] s, the last any longer

@@ -56,6 +56,8 @@ _PAGER_COUNTERS = {
                       "Prefetched experts a step then used: the prediction's hits."),
     "preloads": ("mox:expert_preloads_total",
                  "Experts read with a cold start's dense weights (its run size)."),
+    "mapped_reads": ("mox:expert_mapped_reads_total",
+                     "Misses computed in place from pinned host memory (GPU) while they load."),
 }
 _PAGER_GAUGES = {
     "resident_bytes": ("mox:resident_expert_bytes", "Expert bytes resident on the device."),

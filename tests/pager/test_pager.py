@@ -231,6 +231,61 @@ def test_host_tier_serves_evicted_experts(ckpt):
     assert after["bytes_read_host"] > 0
 
 
+@pytest.mark.parametrize("maps_host", [True, False])
+def test_misses_in_the_host_cache_are_read_in_place_while_they_load(ckpt, maps_host):
+    """On a GPU (the interpreted Triton kernels here, plain CPU tensors standing in for pinned
+    host memory) a miss the host cache holds is computed in the first wave, read where it
+    lies, while it loads into a slot for later steps; without mapping it waits for its load."""
+    from mox.kernels import reference_fused_moe, softmax_topk
+    dtype = ckpt.experts[1, 0].gate.dtype            # cached bytes are read as they are stored
+    pool = new_pool(ckpt, num_slots=4, host_memory=16 * ckpt.expert_nbytes, dtype=dtype)
+    for _ in pool.waves(1, range(8)):               # every expert through the host cache
+        pass
+    pool.wait_for_loads()
+    slot_of = pool.slot_pool.slot_of[1].tolist()
+    resident = [e for e in range(8) if slot_of[e] >= 0]
+    cached = [e for e in range(8) if slot_of[e] < 0]
+    assert len(resident) == 4 and len(cached) == 4
+    pool.maps_host_experts = maps_host
+    wanted = [resident[0], cached[0], cached[1]]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, pool.slot_pool.hidden, generator=gen).to(dtype)
+    weights, columns = softmax_topk(torch.randn(4, 3, generator=gen), 2, renormalize=True)
+    ids = torch.tensor(wanted, dtype=torch.int32)[columns.long()]
+    moe_layer_1 = [i for i, m in enumerate(ckpt.spec.moe_layers) if m][1]
+    experts = [expected_expert(ckpt, moe_layer_1, e, dtype) for e in range(8)]
+    want = reference_fused_moe(x.float(), torch.stack([w13 for w13, _ in experts]).float(),
+                               torch.stack([w2 for _, w2 in experts]).float(), weights, ids,
+                               torch.arange(8, dtype=torch.int32))
+    items, out = _computed_waves(pool, 1, x, weights, ids)
+    if maps_host:                   # one wave, no wait: the slot and two mapped experts
+        assert items == [sorted(wanted)]
+        assert pool.stats()["mapped_reads"] == 2
+    else:                           # the resident expert, then the two after their reads
+        assert items[0] == [resident[0]] and sorted(sum(items[1:], [])) == cached[:2]
+        assert pool.stats()["mapped_reads"] == 0
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    pool.wait_for_loads()                            # and they landed in slots
+    assert all(pool.slot_pool.lookup((1, e)) >= 0 for e in wanted)
+    pool.check_integrity()
+
+
+def _computed_waves(pool: ModelPool, moe_layer: int, x, weights, ids):
+    """The experts of each wave of `ids`, and their sum `[T, H]` f32, computed as the engine
+    does (the Triton kernels where a wave maps host memory)."""
+    from mox.kernels import fused_moe
+    from mox.pager.pending import ReadsPending
+    out, waves = torch.zeros(x.shape, dtype=torch.float32), []
+    for lease in pool.wave_steps(moe_layer, ids.reshape(-1).tolist()):
+        if isinstance(lease, ReadsPending):
+            continue
+        backend = "triton" if lease.rows.mapped else "torch"
+        out += fused_moe(x, lease.w13, lease.w2, weights, ids, lease.slot_map, backend=backend,
+                         rows=lease.rows, out_dtype=torch.float32)
+        waves.append([e for e, s in enumerate(lease.slot_map.tolist()) if s >= 0])
+    return waves, out
+
+
 def test_prefetch_loads_ahead_and_counts_hits(ckpt):
     pool = new_pool(ckpt, num_slots=8)
     pool.prefetch(1, [3, 4])
