@@ -35,10 +35,15 @@ from mox.models.moe import (
     native_moe_layer,
     paged_experts,
     route,
+    table_moe_block,
     takes_native,
 )
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
+
+# A step of at most this many tokens (decode) may read experts in place from the host cache:
+# a long prefill would read each mapped expert over the link once per block of its tokens.
+TABLE_STEP_MAX_TOKENS = 64
 
 
 def new_kv_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -116,6 +121,8 @@ class MoEDecoder:
         native_moe = batch.key_ranges is not None and self._takes_native_moe(x)
         if native_block and native_moe and self._chains():
             x = yield from self._decode_layers(x, batch)
+        elif self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
+            x = yield from self._table_layers(x, batch)
         else:
             x = yield from self._layer_steps(x, batch, native_block, native_moe)
         if batch.logits_indices is not None:
@@ -167,6 +174,31 @@ class MoEDecoder:
                                              h, x, weights[done], ids[done])
             yield None
             first = done + 1
+        return x
+
+    def _table_layers(self, x: torch.Tensor, batch: ForwardBatch
+                      ) -> Generator[ReadsPending | None, None, torch.Tensor]:
+        """Decode on a GPU with no host round-trip in its layers: every MoE layer reads its
+        experts through the pager's table (in a slot, or in place from the pinned host
+        cache: `table_moe_block`), and the experts the step used are read back once, when
+        its hold ends. Where some expert's bytes are only on disk, the layers page as usual."""
+        eps = self.spec.rms_norm_eps
+        with self.experts.holding(table=True) as hold:
+            if hold.table.complete:
+                used = torch.zeros(self.experts.num_moe_layers, self.spec.num_experts,
+                                   dtype=torch.int32, device=x.device)
+                for i, layer in enumerate(self.layers):
+                    h = rms_norm(x, layer.input_norm, eps)
+                    x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
+                    h = rms_norm(x, layer.post_attention_norm, eps)
+                    if isinstance(layer.mlp, MoEWeights):
+                        x = table_moe_block(self.spec, layer.mlp, hold, h, x, used)
+                    else:
+                        x = x + layer.mlp(h)
+                hold.device_used = used
+        if not hold.table.complete:
+            return (yield from self._layer_steps(x, batch, False, False))
+        yield None
         return x
 
     def _chains(self) -> bool:

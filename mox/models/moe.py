@@ -32,6 +32,7 @@ from mox.loaders.spec import (
 )
 from mox.models.layers import MLPWeights, linear
 from mox.pager import ModelPool, ReadsPending
+from mox.pager.model_pool import Hold
 
 
 @dataclass
@@ -154,6 +155,21 @@ def paged_experts(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.T
                          scales=lease.scales, rows=lease.rows)
         out = part if out is None else out.add_(part)
     return x + _add_shared(w, h, out.to(h.dtype))
+
+
+def table_moe_block(spec: ModelSpec, w: MoEWeights, hold: Hold, h: torch.Tensor,
+                    x: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """x + the block of h `[T, H]`, its experts read by the Triton kernels through the
+    pager's `ExpertTable` (`hold.table`, complete: each expert in a slot or mapped from the
+    pinned host cache), so nothing asks the host; the experts it computes are marked in
+    `used [L, E]` on the device (the pager reads it back when the hold ends)."""
+    weights, ids = route(spec, w, h)                                       # [T, k]
+    table = hold.table
+    out = fused_moe(h, hold.w13, hold.w2, weights, ids, table.row_of[w.moe_layer],
+                    spec.activation, backend="triton", out_dtype=torch.float32,
+                    scales=hold.scales, rows=table.rows)
+    used[w.moe_layer, ids.reshape(-1).long()] = 1
+    return x + _add_shared(w, h, out.to(h.dtype))        # rounded once, as the waves' sum
 
 
 def activation(spec: ModelSpec) -> Activation:

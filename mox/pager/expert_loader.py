@@ -76,8 +76,8 @@ class ExpertLoader:
                 self.host_cache.put(cache_key, raw)
         return LoadResult(source, tensors.nbytes, time.perf_counter() - start)
 
-    def mapped(self, pool: SlotPool, tensors: ExpertTensors,
-               cache_key: CacheKey) -> MappedExpert | None:
+    def mapped(self, pool: SlotPool, tensors: ExpertTensors, cache_key: CacheKey,
+               touch: bool = True) -> MappedExpert | None:
         """The expert as the Triton kernels can read it in place from the host cache (pinned
         host memory, mapped into the GPU's address space), or None: not cached, or not
         stored as a slot holds it (gate, up, down in the pool's dtype, gate's rows right
@@ -86,7 +86,7 @@ class ExpertLoader:
         if (self.host_cache is None or roles != (GATE, UP, DOWN) or pool.fmt is not None
                 or pool.has_bias or any(i.dtype != pool.dtype for i in tensors.infos)):
             return None
-        raw = self.host_cache.get(cache_key)
+        raw = self.host_cache.get(cache_key, touch)
         if raw is None:
             return None
         gate, up, down = _split(raw, tensors.infos)

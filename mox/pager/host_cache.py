@@ -45,10 +45,11 @@ class HostCache:
     def used_bytes(self) -> int:
         return self._used
 
-    def get(self, key: CacheKey) -> torch.Tensor | None:
+    def get(self, key: CacheKey, touch: bool = True) -> torch.Tensor | None:
+        """The entry (None: not cached); `touch`: counts as a use (LRU order)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:
+            if entry is not None and touch:
                 self._entries.move_to_end(key)
             return entry
 

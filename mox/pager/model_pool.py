@@ -53,6 +53,20 @@ class Lease:
     rows: ExpertRows | None = None       # the row space slot_map indexes (the slots)
 
 
+@dataclass(frozen=True)
+class ExpertTable:
+    """Every expert of the model as the Triton kernels address it: `row_of [L, E]` int32 on
+    the device (its slot, a row past the slots mapped from the pinned host cache, or
+    NOT_RESIDENT where its bytes are only on disk) and the `rows` they index; `row_of_host`
+    the same on the host. `complete`: every expert has a row, so a step computes any routing
+    without asking the host."""
+
+    row_of: torch.Tensor
+    row_of_host: list[list[int]]
+    rows: ExpertRows
+    complete: bool
+
+
 @dataclass
 class Hold:
     """Every resident expert of the model, readable without a lease while the hold lasts:
@@ -70,6 +84,10 @@ class Hold:
     scales: ExpertScales | None = None
     rows: ExpertRows | None = None
     used: list[tuple[int, list[int]]] = field(default_factory=list)
+    table: ExpertTable | None = None               # holding(table=True)
+    # [L, E] on the device, nonzero where the holder computed an expert through `table`:
+    # read back once when the hold ends (its hits, and mapped experts to load into slots)
+    device_used: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -176,28 +194,85 @@ class ModelPool(PagedPool):
                 missing = missing[len(pending):]
 
     @contextlib.contextmanager
-    def holding(self) -> Iterator[Hold]:
+    def holding(self, table: bool = False) -> Iterator[Hold]:
         """A `Hold` on the model's resident experts for native calls: a decode step that
         finds every expert it routes to resident needs no lease (the native blocks check the
         table themselves); the layers it lists in `hold.used` count as waves of hits would,
-        in one lock section when the hold ends."""
+        in one lock section when the hold ends. `table` (GPUs, `maps_host_experts`): with
+        the `ExpertTable` of every expert, resident or mapped from the host cache; what the
+        holder marks in `hold.device_used` is read back when the hold ends, and the mapped
+        experts it used start loading into slots."""
         pool, hold = self.slot_pool, None
         try:
             with self._lock:
                 self._check_not_parked()
                 hold = Hold(pool.slot_of, *pool.in_use())
+                if table:
+                    hold.table = self._expert_table()
                 pool.holds += 1
             yield hold
         finally:
             if hold is not None:
+                # (one read back a step: the kernels before it have ended, so the slots they
+                # read may be reused once the hold ends)
+                used = (None if hold.device_used is None
+                        else hold.device_used.nonzero().tolist())
                 with self._lock:
                     pool.holds -= 1
                     if hold.used:                          # the layers in the order they ran
                         self._record_hits([(moe_layer, sorted(set(experts)))
                                            for moe_layer, experts in hold.used])
+                    if used:
+                        self._record_table_use(hold.table, used)
                     if not pool.holds:
                         self._drain()        # what waited for the holds (a shrink)
                         self._changed.notify_all()
+
+    def _expert_table(self) -> ExpertTable:
+        """The model's `ExpertTable`, rebuilt when a slot changed since the last one (the
+        host cache's evictions do not matter: the table keeps the bytes it maps alive)."""
+        pool = self.slot_pool
+        key = (pool.version, pool.num_slots, pool.w13.data_ptr())
+        if self._table is not None and self._table[0] == key:
+            return self._table[1]
+        row_of, mapped = pool.slot_of_rows(), []
+        for moe_layer, layer in enumerate(self.moe_layers):
+            for expert, slot in enumerate(row_of[moe_layer]):
+                found = None if slot != NOT_RESIDENT else self.loader.mapped(
+                    pool, self.ckpt.experts[layer, expert], (self.name, moe_layer, expert),
+                    touch=False)
+                if found is not None:
+                    row_of[moe_layer][expert] = pool.num_slots + len(mapped)
+                    mapped.append(found)
+        w13, w2, _, _, scales, _ = pool.in_use()
+        table = ExpertTable(torch.tensor(row_of, dtype=torch.int32).to(pool.device), row_of,
+                            expert_rows(w13, w2, scales, tuple(mapped)),
+                            all(r != NOT_RESIDENT for row in row_of for r in row))
+        self._table = key, table
+        return table
+
+    def _record_table_use(self, table: ExpertTable, used: list[list[int]]) -> None:
+        """A step computed these (layer, expert) pairs through `table`: hits for the
+        resident ones; the mapped ones were misses served in place, and load into slots
+        now for the steps after (those not loaded or loading meanwhile)."""
+        steps: dict[int, list[int]] = {}
+        for moe_layer, expert in used:                # (nonzero(): in order, sorted)
+            steps.setdefault(moe_layer, []).append(expert)
+        self._record_access(list(steps.items()))
+        now, pool, stats = self.clock(), self.slot_pool, self.counters
+        num_slots = table.rows.num_rows - len(table.rows.mapped)
+        for moe_layer, experts in steps.items():
+            mapped = [e for e in experts if table.row_of_host[moe_layer][e] >= num_slots]
+            for expert in experts:
+                if expert not in mapped:
+                    key = (moe_layer, expert)
+                    self._count_hit(key, pool.slots[pool.lookup(key)], now)
+            stats.misses += len(mapped)
+            stats.mapped_reads += len(mapped)
+            absent = [e for e in mapped if pool.lookup((moe_layer, e)) == NOT_RESIDENT
+                      and (moe_layer, e) not in self._inflight]
+            self._start_loads(moe_layer, absent, prefetched=False)
+        stats.waves += len(steps)
 
     def waves(self, moe_layer: int, expert_ids: Iterable[int]) -> Iterator[Lease]:
         """`wave_steps` for a caller that blocks where reads are pending."""

@@ -72,9 +72,11 @@ class PagedPool:
         self.waiting_on: str | None = None    # what a step waits for now (the watchdog reads)
         # a miss whose bytes sit in the (pinned) host cache is computed from there in place by
         # the Triton kernels while it loads into a slot: GPUs, experts they take (SiLU)
-        self.maps_host_experts = device.type == "cuda" and spec.activation == SILU
+        self.maps_host_experts = (device.type == "cuda" and spec.activation == SILU
+                                  and not spec.expert_bias)
         # (GPU) mapped experts' rows, kept alive until the kernels that read them end
         self._mapped_in_flight: list[tuple[torch.cuda.Event, object]] = []
+        self._table: tuple | None = None      # (the slots' version, ExpertTable): _expert_table
 
     @property
     def loader(self) -> ExpertLoader:

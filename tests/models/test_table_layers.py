@@ -1,0 +1,77 @@
+"""A decode step that reads every expert through the pager's table (issue 20: on a GPU, no
+host round-trip in the layers): experts in slots, and misses read in place from the host
+cache (plain CPU tensors standing in for pinned host memory; the Triton kernels run under the
+interpreter). Its logits equal the paged waves', the experts it used are counted once the
+step ends, and the mapped ones load into slots for the steps after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox import LLM
+from tests.models.decode_batch import decode_batch
+
+
+@pytest.fixture()
+def model(hf_checkpoints):
+    """Tiny Mixtral in fp32, every expert through the host cache once, then a quarter of
+    them in slots."""
+    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
+              host_memory="64MiB")
+    pool = llm.model.experts
+    for moe_layer in range(pool.num_moe_layers):
+        for _ in pool.waves(moe_layer, range(pool.num_experts)):
+            pass
+    pool.resize(max(pool.top_k, pool.max_slots // 4))
+    pool.wait_for_loads()
+    yield llm.model
+
+
+def _figures(pool) -> dict:
+    return {k: v for k, v in pool.stats().items()
+            if k in ("hits", "misses", "mapped_reads", "waves")}
+
+
+def test_the_table_step_equals_the_waves_and_loads_what_it_mapped(model):
+    pool = model.experts
+    batch = decode_batch(model, torch.Generator().manual_seed(5))
+    resident_before = pool.slot_pool.num_occupied
+    pool.maps_host_experts = False
+    want = model.forward_batch(batch)
+    pool.wait_for_loads()
+    pool.resize(max(pool.top_k, pool.max_slots // 4))     # back to a quarter in slots
+    pool.wait_for_loads()
+    before = _figures(pool)
+    pool.maps_host_experts = True
+    got = model.forward_batch(batch)
+    after = _figures(pool)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert pool.slot_pool.holds == 0
+    used = after["hits"] - before["hits"] + after["mapped_reads"] - before["mapped_reads"]
+    assert after["mapped_reads"] > before["mapped_reads"]          # misses read in place
+    assert after["misses"] - before["misses"] == after["mapped_reads"] - before["mapped_reads"]
+    assert after["waves"] - before["waves"] == pool.num_moe_layers  # one per layer, no waits
+    assert used >= pool.num_moe_layers * pool.top_k
+    pool.wait_for_loads()                          # the mapped experts landed in slots
+    assert pool.slot_pool.num_occupied >= resident_before
+    pool.check_integrity()
+
+
+def test_an_expert_only_on_disk_sends_the_step_to_the_waves(model):
+    """The table cannot address an expert the host cache does not hold: the step pages."""
+    pool = model.experts
+    batch = decode_batch(model, torch.Generator().manual_seed(5))
+    pool.maps_host_experts = False
+    want = model.forward_batch(batch)
+    pool.loader.host_cache.set_quota(pool.name, 0)       # the host copies go
+    pool.resize(pool.top_k)
+    pool.wait_for_loads()
+    pool.maps_host_experts = True
+    before = _figures(pool)
+    got = model.forward_batch(batch)
+    after = _figures(pool)
+    assert after["mapped_reads"] == before["mapped_reads"]
+    assert after["misses"] > before["misses"]                # paged in waves instead
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    pool.check_integrity()
