@@ -160,7 +160,7 @@ def paged_experts(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.T
 def table_moe_block(spec: ModelSpec, w: MoEWeights, hold: Hold, h: torch.Tensor,
                     x: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
     """x + the block of h `[T, H]`, its experts read by the Triton kernels through the
-    pager's `ExpertTable` (`hold.table`, complete: each expert in a slot or mapped from the
+    pager's expert table (`hold.table`, complete: each expert in a slot or mapped from the
     pinned host cache), so nothing asks the host; the experts it computes are marked in
     `used [L, E]` on the device (the pager reads it back when the hold ends)."""
     weights, ids = route(spec, w, h)                                       # [T, k]

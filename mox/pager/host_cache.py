@@ -25,6 +25,7 @@ class HostCache:
         self._used_by: dict[str, int] = {}
         self._quota: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.evictions = 0           # entries dropped so far (holders of views check on change)
 
     def set_quota(self, model: str, quota_bytes: int | None) -> None:
         """Cap the model's share (None: only the global budget); shrinking evicts at once."""
@@ -77,7 +78,15 @@ class HostCache:
         while self._used + nbytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
+    def holds(self, key: CacheKey, view: torch.Tensor) -> bool:
+        """Whether the key's entry is still the buffer `view` lies in."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return (entry is not None and entry.data_ptr() <= view.data_ptr()
+                    < entry.data_ptr() + entry.numel())
+
     def _drop(self, key: CacheKey) -> None:
+        self.evictions += 1
         old = self._entries.pop(key)
         self._used -= old.numel()
         self._used_by[key[0]] -= old.numel()

@@ -27,6 +27,7 @@ import torch
 from mox.errors import MoxError
 from mox.kernels import NOT_RESIDENT, ExpertRows, ExpertScales, MappedExpert, expert_rows
 from mox.pager.eviction import ExpertKey
+from mox.pager.expert_table import ExpertMap, ExpertTable
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
 from mox.pager.slot_pool import Slot
@@ -53,20 +54,6 @@ class Lease:
     rows: ExpertRows | None = None       # the row space slot_map indexes (the slots)
 
 
-@dataclass(frozen=True)
-class ExpertTable:
-    """Every expert of the model as the Triton kernels address it: `row_of [L, E]` int32 on
-    the device (its slot, a row past the slots mapped from the pinned host cache, or
-    NOT_RESIDENT where its bytes are only on disk) and the `rows` they index; `row_of_host`
-    the same on the host. `complete`: every expert has a row, so a step computes any routing
-    without asking the host."""
-
-    row_of: torch.Tensor
-    row_of_host: list[list[int]]
-    rows: ExpertRows
-    complete: bool
-
-
 @dataclass
 class Hold:
     """Every resident expert of the model, readable without a lease while the hold lasts:
@@ -84,7 +71,7 @@ class Hold:
     scales: ExpertScales | None = None
     rows: ExpertRows | None = None
     used: list[tuple[int, list[int]]] = field(default_factory=list)
-    table: ExpertTable | None = None               # holding(table=True)
+    table: ExpertMap | None = None                 # holding(table=True)
     # [L, E] on the device, nonzero where the holder computed an expert through `table`:
     # read back once when the hold ends (its hits, and mapped experts to load into slots)
     device_used: torch.Tensor | None = None
@@ -228,30 +215,20 @@ class ModelPool(PagedPool):
                         self._drain()        # what waited for the holds (a shrink)
                         self._changed.notify_all()
 
-    def _expert_table(self) -> ExpertTable:
-        """The model's `ExpertTable`, rebuilt when a slot changed since the last one (the
-        host cache's evictions do not matter: the table keeps the bytes it maps alive)."""
-        pool = self.slot_pool
-        key = (pool.version, pool.num_slots, pool.w13.data_ptr())
-        if self._table is not None and self._table[0] == key:
-            return self._table[1]
-        row_of, mapped = pool.slot_of_rows(), []
-        for moe_layer, layer in enumerate(self.moe_layers):
-            for expert, slot in enumerate(row_of[moe_layer]):
-                found = None if slot != NOT_RESIDENT else self.loader.mapped(
-                    pool, self.ckpt.experts[layer, expert], (self.name, moe_layer, expert),
-                    touch=False)
-                if found is not None:
-                    row_of[moe_layer][expert] = pool.num_slots + len(mapped)
-                    mapped.append(found)
-        w13, w2, _, _, scales, _ = pool.in_use()
-        table = ExpertTable(torch.tensor(row_of, dtype=torch.int32).to(pool.device), row_of,
-                            expert_rows(w13, w2, scales, tuple(mapped)),
-                            all(r != NOT_RESIDENT for row in row_of for r in row))
-        self._table = key, table
-        return table
+    def _expert_table(self) -> ExpertMap:
+        """The model's expert table as it stands (kept up to date between steps)."""
+        if self._table is None:
+            host_cache = self.loader.host_cache
+            self._table = ExpertTable(self.slot_pool, host_cache, self.name, self._map_expert)
+        return self._table.refresh()
 
-    def _record_table_use(self, table: ExpertTable, used: list[list[int]]) -> None:
+    def _map_expert(self, key: ExpertKey) -> MappedExpert | None:
+        """The expert as the Triton kernels may read it in place from the host cache."""
+        return self.loader.mapped(self.slot_pool, self.ckpt.experts[self.moe_layers[key[0]],
+                                                                    key[1]],
+                                  (self.name, *key), touch=False)
+
+    def _record_table_use(self, table: ExpertMap, used: list[list[int]]) -> None:
         """A step computed these (layer, expert) pairs through `table`: hits for the
         resident ones; the mapped ones were misses served in place, and load into slots
         now for the steps after (those not loaded or loading meanwhile)."""
@@ -260,9 +237,8 @@ class ModelPool(PagedPool):
             steps.setdefault(moe_layer, []).append(expert)
         self._record_access(list(steps.items()))
         now, pool, stats = self.clock(), self.slot_pool, self.counters
-        num_slots = table.rows.num_rows - len(table.rows.mapped)
         for moe_layer, experts in steps.items():
-            mapped = [e for e in experts if table.row_of_host[moe_layer][e] >= num_slots]
+            mapped = [e for e in experts if table.is_mapped(moe_layer, e)]
             for expert in experts:
                 if expert not in mapped:
                     key = (moe_layer, expert)

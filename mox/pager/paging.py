@@ -76,7 +76,7 @@ class PagedPool:
                                   and not spec.expert_bias)
         # (GPU) mapped experts' rows, kept alive until the kernels that read them end
         self._mapped_in_flight: list[tuple[torch.cuda.Event, object]] = []
-        self._table: tuple | None = None      # (the slots' version, ExpertTable): _expert_table
+        self._table = None                    # its ExpertTable, made on first use (GPU decode)
 
     @property
     def loader(self) -> ExpertLoader:

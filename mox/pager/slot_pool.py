@@ -111,7 +111,8 @@ class SlotPool:
         self.slots = [Slot() for _ in range(num_slots)]
         self._num_occupied = 0
         self._in_use: tuple | None = None     # ((size, w13 address), in_use()'s tensors)
-        self.version = getattr(self, "version", 0) + 1    # bumped whenever slot_of changes
+        # keys whose slot_of entry changed since the expert table last took them (None: all)
+        self._map_changes: set[ExpertKey] | None = None
 
     def in_use(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                               torch.Tensor | None, ExpertScales | None, ExpertRows]:
@@ -242,11 +243,13 @@ class SlotPool:
     def _set_map(self, key: ExpertKey, index: int) -> None:
         self._slot_of_host[key[0]][key[1]] = index
         self.slot_of[key[0], key[1]] = index
-        self.version += 1
+        if self._map_changes is not None:
+            self._map_changes.add(key)
 
-    def slot_of_rows(self) -> list[list[int]]:
-        """A host copy of `slot_of [L, E]`."""
-        return [list(row) for row in self._slot_of_host]
+    def take_map_changes(self) -> set[ExpertKey] | None:
+        """The keys whose slot changed since the last call (None: every key may have)."""
+        changes, self._map_changes = self._map_changes, set()
+        return changes
 
     def lease_map(self, keys_and_slots: list[tuple[ExpertKey, int]]) -> torch.Tensor:
         """`[E]` int32 map holding only these experts (of one layer): what one wave reads."""
@@ -300,7 +303,7 @@ class SlotPool:
             self._slot_of_host[slot.key[0]][slot.key[1]] = new
         self.slot_of.copy_(torch.tensor(self._slot_of_host, dtype=torch.int32))
         self._num_occupied = len(keep)
-        self.version += 1
+        self._map_changes = None
 
     def check_integrity(self) -> None:
         assert self.holds >= 0

@@ -22,20 +22,10 @@ from hypothesis.stateful import (
 from mox.errors import MoxError
 from mox.loaders import Checkpoint, CheckpointError
 from mox.loaders.stream import read_tensor
-from mox.pager import ModelPool, make_pager
+from mox.pager import ModelPool
 from mox.pager.eviction import LFUPolicy, LRUPolicy, RatePolicy
 from mox.pager.model_pool import Lease
-
-CPU = torch.device("cpu")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
+from tests.pager.pools import CPU, new_pool
 
 
 def expected_expert(ckpt: Checkpoint, layer: int, expert: int, dtype: torch.dtype):
@@ -49,12 +39,6 @@ def assert_slot_holds(pool: ModelPool, ckpt: Checkpoint, key, index: int):
     moe_layers = [i for i, m in enumerate(ckpt.spec.moe_layers) if m]
     w13, w2 = expected_expert(ckpt, moe_layers[key[0]], key[1], slots.dtype)
     assert torch.equal(slots.w13[index], w13) and torch.equal(slots.w2[index], w2), key
-
-
-def new_pool(ckpt: Checkpoint, num_slots: int | None, dtype=torch.float32, policy="lru",
-             host_memory=None) -> ModelPool:
-    pager = make_pager(CPU, host_memory, clock=FakeClock())
-    return pager.add_model("m", ckpt, dtype, CPU, num_slots, policy)
 
 
 @pytest.fixture()
