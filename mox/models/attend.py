@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mox.kernels import native
+from mox.kernels.attention_triton import decode_attention_triton
 from mox.models.forward_batch import ForwardBatch, PaddedLayout
 
 # What the KV store holds -> per-head keys `[N, h, d]` and values `[N, h, dv]` (MLA stores a
@@ -27,14 +28,16 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     """q `[T, h, d]` -> `[T, h, dv]`: each token attends to its own sequence's keys at or
     before its position (within `window`). `sinks` `[h]`: per-head logits that join every
     softmax's denominator (GPT-OSS)."""
-    if (batch.key_ranges is not None and sinks is None and expand is None
-            and native.takes_attention(q, batch.kv)):
+    if batch.key_ranges is not None and sinks is None and expand is None:
         # decode: the keys read in place from the store, no gathered or padded copies
-        keys, values = batch.kv.rows(layer)
-        starts, lengths = batch.key_ranges
-        return native.kernels().decode_attention(
-            q.contiguous(), keys, values, batch.kv_slots, starts, lengths,
-            q.shape[-1] ** -0.5 if scale is None else scale, window).to(q.dtype)
+        # (C on a CPU, Triton on a GPU)
+        kernel = (native.kernels().decode_attention if native.takes_attention(q, batch.kv)
+                  else decode_attention_triton if _takes_triton(q) else None)
+        if kernel is not None:
+            keys, values = batch.kv.rows(layer)
+            starts, lengths = batch.key_ranges
+            return kernel(q.contiguous(), keys, values, batch.kv_slots, starts, lengths,
+                          q.shape[-1] ** -0.5 if scale is None else scale, window).to(q.dtype)
     pad = batch.padded_layout()
     if pad is not None:
         return _attend_padded(batch, pad, layer, q, window, scale, sinks, expand)
@@ -44,6 +47,11 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     out = _sdpa(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 batch.attention_mask(window), scale, sinks)               # [h, T, dv]
     return out.transpose(0, 1)
+
+
+def _takes_triton(q: torch.Tensor) -> bool:
+    """Whether the Triton decode attention serves these queries (a GPU)."""
+    return q.is_cuda
 
 
 def _attend_padded(batch: ForwardBatch, pad: PaddedLayout, layer: int, q: torch.Tensor,

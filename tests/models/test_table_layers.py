@@ -75,3 +75,22 @@ def test_an_expert_only_on_disk_sends_the_step_to_the_waves(model):
     assert after["misses"] > before["misses"]                # paged in waves instead
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     pool.check_integrity()
+
+
+def test_with_the_triton_decode_attention_the_whole_step_is_the_gpu_path(model, monkeypatch):
+    """Attention too through the Triton kernel that reads the paged store in place (what a
+    GPU decode step runs): the same logits as the gathered attention and the waves."""
+    import mox.models.attend as attend
+    pool = model.experts
+    batch = decode_batch(model, torch.Generator().manual_seed(7))
+    pool.maps_host_experts = False
+    want = model.forward_batch(batch)
+    calls = []
+    kernel = attend.decode_attention_triton
+    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)
+    monkeypatch.setattr(attend, "decode_attention_triton",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    pool.maps_host_experts = True
+    got = model.forward_batch(batch)
+    assert len(calls) == model.spec.num_layers              # every layer, in place
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
