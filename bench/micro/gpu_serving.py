@@ -135,7 +135,8 @@ def speed(home: str) -> dict:
             row[f"decode_tok_s_{num_seqs}"] = mox_decode_tok_s(llm, num_seqs)
         stats = llm.pager_stats()
         row.update({key: stats[key] for key in ("hits", "misses", "prefetch_hits",
-                                                "bytes_read_host", "bytes_read_disk")})
+                                                "mapped_reads", "bytes_read_host",
+                                                "bytes_read_disk")})
         print(row, flush=True)
         rows.append(row)
         if not profile_lines:
