@@ -26,6 +26,7 @@ from .moe_triton import (
     expert_rows,
     fused_moe_triton,
     is_interpreter,
+    rows_aligned,
 )
 from .quant import ExpertScales, WeightFormat, dequantize, quantize
 from .routing import (
@@ -86,5 +87,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 __all__ = ["ACTIVATIONS", "CLAMPED_SWIGLU", "NOT_RESIDENT", "SILU", "Activation", "dequantize",
            "expert_rows", "ExpertRows", "ExpertScales", "fused_moe", "fused_moe_torch",
            "fused_moe_triton", "get_config", "is_interpreter", "MappedExpert", "MoEKernelConfig",
-           "MoEWorkspace", "quantize", "reference_fused_moe", "sigmoid_grouped_topk",
-           "softmax_group_limited_topk", "softmax_topk", "topk_softmax", "WeightFormat"]
+           "MoEWorkspace", "quantize", "reference_fused_moe", "rows_aligned",
+           "sigmoid_grouped_topk", "softmax_group_limited_topk", "softmax_topk", "topk_softmax",
+           "WeightFormat"]

@@ -20,6 +20,10 @@ import triton.language as tl
 
 from .moe_triton import is_interpreter
 
+# a block's [G, N, D] products stay within this many fp32 values (a program's registers;
+# unmeasured on a GPU: the products are summed in registers, not through tl.dot)
+REGISTER_VALUES = 8192
+
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, starts_ptr, lengths_ptr,
@@ -67,10 +71,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, starts_ptr
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                             scale: float, window: int | None,
-                            block_n: int = 32) -> torch.Tensor:
+                            block_n: int | None = None) -> torch.Tensor:
     """q `[T, h, d]`; `keys [N, h_kv, d]`, `values [N, h_kv, dv]`: the layer's store as flat
     slots, rows contiguous per head; token t attends to the keys at
-    `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32."""
+    `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32.
+    `block_n`: keys a block (default: as many as keep a block's [G, N, D] products within
+    REGISTER_VALUES)."""
     num_tokens, heads, dim = q.shape
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     assert q.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
@@ -82,11 +88,14 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
             raise ValueError("decode attention takes rows contiguous per head")
     out = torch.empty(num_tokens, heads, value_dim, dtype=torch.float32, device=q.device)
     group = heads // kv_heads
+    block_g = max(triton.next_power_of_2(group), 2)
+    block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(value_dim)
+    if block_n is None:
+        block_n = max(2, min(32, REGISTER_VALUES // (block_g * max(block_d, block_dv))))
     _decode_attention_kernel[(num_tokens, kv_heads)](
         q, keys, values, out, slots, starts, lengths, scale, window or 0,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=dim, VALUE_DIM=value_dim,
-        BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_DV=triton.next_power_of_2(value_dim), BLOCK_N=block_n)
+        GROUP=group, HEAD_DIM=dim, VALUE_DIM=value_dim, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, BLOCK_N=triton.next_power_of_2(block_n))
     return out

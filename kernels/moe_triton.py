@@ -34,6 +34,7 @@ import triton.language as tl
 from .moe_config import MoEKernelConfig, get_config
 from .quant import INT4, MXFP4, ExpertScales
 
+ROW_ALIGN = 8          # elements: 16 bytes of bf16 (see ExpertRows.aligned)
 # `_weight_tile`'s nibble decodings (constexpr: a jitted function may read such globals)
 PACKED_INT4, PACKED_FP4 = tl.constexpr(1), tl.constexpr(2)
 PACKED_KINDS = {INT4: 1, MXFP4: 2}
@@ -72,6 +73,9 @@ class ExpertRows:
     s13: torch.Tensor | None          # [R] int64, quantized pools only
     s2: torch.Tensor | None
     mapped: tuple[MappedExpert, ...] = ()
+    # every weight offset a multiple of ROW_ALIGN elements: the kernels may load rows in
+    # vectors (an offset read at run time tells the compiler nothing of its alignment)
+    aligned: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -107,11 +111,20 @@ def expert_rows(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
             return slots
         return torch.cat((slots, torch.tensor(others, dtype=torch.int64).to(pool.device)))
     scaled = scales is not None
-    return ExpertRows(offsets(w13, [m.w13 for m in mapped], "w13"),
-                      offsets(w2, [m.w2 for m in mapped], "w2"),
+    w13_rows = offsets(w13, [m.w13 for m in mapped], "w13")
+    w2_rows = offsets(w2, [m.w2 for m in mapped], "w2")
+    deltas = [(t.data_ptr() - pool.data_ptr()) // pool.element_size()
+              for m in mapped for t, pool in ((m.w13, w13), (m.w2, w2))]
+    return ExpertRows(w13_rows, w2_rows,
                       offsets(scales.w13, [m.s13 for m in mapped], "s13") if scaled else None,
                       offsets(scales.w2, [m.s2 for m in mapped], "s2") if scaled else None,
-                      tuple(mapped))
+                      tuple(mapped), rows_aligned([w13.stride(0), w2.stride(0), *deltas]))
+
+
+def rows_aligned(offsets: list[int]) -> bool:
+    """Whether weight offsets (slot strides, mapped experts' distances) keep every row's
+    start as aligned as the pool's own."""
+    return all(offset % ROW_ALIGN == 0 for offset in offsets)
 
 
 def align_pairs(topk_ids: torch.Tensor, slot_of: torch.Tensor, num_slots: int,
@@ -195,7 +208,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, w13_rows_ptr, s13_rows_ptr, out_ptr
                     stride_sg, stride_sn, stride_sk, block_rows, block_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
-                    QUANT: tl.constexpr, PACKED: tl.constexpr):
+                    QUANT: tl.constexpr, PACKED: tl.constexpr, ALIGNED: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -206,7 +219,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, w13_rows_ptr, s13_rows_ptr, out_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    gate_ptr = w13_ptr + tl.load(w13_rows_ptr + slot)          # the slot's, or mapped
+    row = tl.load(w13_rows_ptr + slot)                         # the slot's, or mapped
+    if ALIGNED:
+        row = tl.multiple_of(row, 8)
+    gate_ptr = w13_ptr + row
     up_ptr = gate_ptr + inter * stride_wn
     gate_scale = s13_ptr + tl.load(s13_rows_ptr + slot)       # [2, nb, kb]: gate's, up's
     up_scale = gate_scale + stride_sg
@@ -242,7 +258,7 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, w2_rows_ptr, s2_rows_ptr, out_ptr, wei
                  stride_oh, stride_sn, stride_sk, block_rows, block_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
-                 QUANT: tl.constexpr, PACKED: tl.constexpr):
+                 QUANT: tl.constexpr, PACKED: tl.constexpr, ALIGNED: tl.constexpr):
     pid_m, pid_n = _block_coords(num_m_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -252,7 +268,10 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, w2_rows_ptr, s2_rows_ptr, out_ptr, wei
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_ap + offs_k[None, :] * stride_ai
-    w_ptr = w2_ptr + tl.load(w2_rows_ptr + slot)
+    row = tl.load(w2_rows_ptr + slot)
+    if ALIGNED:
+        row = tl.multiple_of(row, 8)
+    w_ptr = w2_ptr + row
     scale_ptr = s2_ptr + tl.load(s2_rows_ptr + slot)
     n_ok = offs_n < hidden
     dtype = tl.float32 if UPCAST else act_ptr.dtype.element_ty
@@ -305,7 +324,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  GROUP_M=config.group_m, UPCAST=is_interpreter(),
                  IEEE_DOT=x.dtype == torch.float32, QUANT=fmt is not None,
                  PACKED=PACKED_KINDS.get(fmt.kind if fmt else None, 0),
-                 num_warps=config.num_warps,
+                 ALIGNED=rows.aligned, num_warps=config.num_warps,
                  num_stages=config.num_stages)
     # (without QUANT the scale pointers and offsets are never read: the weights' stand in)
     s13, s13_rows = (w13, rows.w13) if scales is None else (scales.w13, rows.s13)

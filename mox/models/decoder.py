@@ -41,8 +41,9 @@ from mox.models.moe import (
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
 
-# A step of at most this many tokens (decode) may read experts in place from the host cache:
-# a long prefill would read each mapped expert over the link once per block of its tokens.
+# A step of at most this many tokens (decode, a short prefill) may read experts in place from
+# the host cache: a long prefill would read each mapped expert over the link once per block of
+# its tokens.
 TABLE_STEP_MAX_TOKENS = 64
 
 
@@ -178,15 +179,16 @@ class MoEDecoder:
 
     def _table_layers(self, x: torch.Tensor, batch: ForwardBatch
                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:
-        """Decode on a GPU with no host round-trip in its layers: every MoE layer reads its
+        """A GPU step with no host round-trip in its layers: every MoE layer reads its
         experts through the pager's table (in a slot, or in place from the pinned host
         cache: `table_moe_block`), and the experts the step used are read back once, when
         its hold ends. Where some expert's bytes are only on disk, the layers page as usual."""
         eps = self.spec.rms_norm_eps
         with self.experts.holding(table=True) as hold:
             if hold.table.complete:
-                used = torch.zeros(self.experts.num_moe_layers, self.spec.num_experts,
-                                   dtype=torch.int32, device=x.device)
+                used = hold.device_used = torch.zeros(  # (read back even if a layer raises)
+                    self.experts.num_moe_layers, self.spec.num_experts, dtype=torch.int32,
+                    device=x.device)
                 for i, layer in enumerate(self.layers):
                     h = rms_norm(x, layer.input_norm, eps)
                     x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
@@ -195,7 +197,6 @@ class MoEDecoder:
                         x = table_moe_block(self.spec, layer.mlp, hold, h, x, used)
                     else:
                         x = x + layer.mlp(h)
-                hold.device_used = used
         if not hold.table.complete:
             return (yield from self._layer_steps(x, batch, False, False))
         yield None

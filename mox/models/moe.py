@@ -147,7 +147,7 @@ def paged_experts(spec: ModelSpec, w: MoEWeights, experts: ModelPool, h: torch.T
         # fp32 across waves, rounded once: the result does not depend on how many waves
         # residency split the step into (greedy output is the same cold or warm)
         # (experts mapped from host memory: the Triton kernels read them in place)
-        backend = "triton" if lease.rows is not None and lease.rows.mapped else "auto"
+        backend = "triton" if lease.rows.mapped else "auto"
         part = fused_moe(h, lease.w13, lease.w2, topk_weights, topk_ids, lease.slot_map,
                          spec.activation, backend=backend, workspace=experts.workspace,
                          out_dtype=torch.float32, b13=lease.b13, b2=lease.b2,

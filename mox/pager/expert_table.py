@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mox.kernels import NOT_RESIDENT, ExpertRows, MappedExpert
+from mox.kernels import NOT_RESIDENT, ExpertRows, MappedExpert, rows_aligned
 from mox.pager.eviction import ExpertKey
 from mox.pager.host_cache import CacheKey, HostCache
 from mox.pager.slot_pool import SlotPool
@@ -85,6 +85,7 @@ class ExpertTable:
             for key in gone:
                 del self.mapped[key]
             changed |= set(gone)
+            dirty |= bool(gone)        # (a new snapshot lets the dropped bytes go)
         for key in changed:
             dirty |= self._place(key)
         if dirty:
@@ -116,7 +117,9 @@ class ExpertTable:
 
     def _rows(self) -> ExpertRows:
         """Element offsets of every row from the pools' first elements: mapped rows where
-        mapped (0 elsewhere: no row_of entry points there), then the slots."""
+        mapped (0 elsewhere: no row_of entry points there), then the slots. (The mapped
+        experts come laid out as slots, checked as the loader maps them; a quantized pool
+        maps none, so their scales' rows stay unused.)"""
         pool = self.pool
         pools = [pool.w13, pool.w2] + ([pool.w13_scale, pool.w2_scale] if pool.fmt else [])
         keys = list(self.mapped)
@@ -131,7 +134,11 @@ class ExpertTable:
             table[self.first_slot_row:] = np.arange(pool.num_slots) * tensor.stride(0)
             offsets.append(torch.from_numpy(table).to(pool.device))
         scales = offsets[2:] if pool.fmt is not None else [None, None]
-        return ExpertRows(offsets[0], offsets[1], *scales, mapped=tuple(self.mapped.values()))
+        deltas = (addresses[:, :2] - [pool.w13.data_ptr(), pool.w2.data_ptr()]) // [
+            pool.w13.element_size(), pool.w2.element_size()]
+        return ExpertRows(offsets[0], offsets[1], *scales, mapped=tuple(self.mapped.values()),
+                          aligned=rows_aligned([pool.w13.stride(0), pool.w2.stride(0),
+                                                *deltas.ravel().tolist()]))
 
 
 def _addresses(m: MappedExpert) -> tuple[int, int, int, int]:

@@ -51,7 +51,7 @@ class Lease:
     b13: torch.Tensor | None = None      # [S, 2I] expert biases, where the model has them
     b2: torch.Tensor | None = None       # [S, H]
     scales: ExpertScales | None = None   # w13 and w2 are stored quantized
-    rows: ExpertRows | None = None       # the row space slot_map indexes (the slots)
+    rows: ExpertRows | None = None       # the rows slot_map indexes: slots, then mapped ones
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ModelPool(PagedPool):
             self._check_not_parked()
             self._record_access([(moe_layer, wanted)])
             ready, pending, missing = self._classify(moe_layer, wanted)
-            mapped = self._map_from_host(moe_layer, missing)
+            mapped = self._map_from_host(moe_layer, pending + missing)
             started = self._start_loads(moe_layer, missing, prefetched=False)
             # mapped misses load into slots for later steps; this one reads them in place
             pending = [e for e in pending + started if e not in mapped]
@@ -186,34 +186,43 @@ class ModelPool(PagedPool):
         finds every expert it routes to resident needs no lease (the native blocks check the
         table themselves); the layers it lists in `hold.used` count as waves of hits would,
         in one lock section when the hold ends. `table` (GPUs, `maps_host_experts`): with
-        the `ExpertTable` of every expert, resident or mapped from the host cache; what the
-        holder marks in `hold.device_used` is read back when the hold ends, and the mapped
-        experts it used start loading into slots."""
+        the expert table's snapshot (`ExpertMap`: every expert in a slot or mapped from the
+        host cache); what the holder marks in `hold.device_used` is read back when the hold
+        ends, and the mapped experts it used start loading into slots."""
         pool, hold = self.slot_pool, None
         try:
             with self._lock:
                 self._check_not_parked()
                 hold = Hold(pool.slot_of, *pool.in_use())
+                pool.holds += 1
                 if table:
                     hold.table = self._expert_table()
-                pool.holds += 1
             yield hold
         finally:
             if hold is not None:
-                # (one read back a step: the kernels before it have ended, so the slots they
-                # read may be reused once the hold ends)
-                used = (None if hold.device_used is None
-                        else hold.device_used.nonzero().tolist())
-                with self._lock:
-                    pool.holds -= 1
-                    if hold.used:                          # the layers in the order they ran
-                        self._record_hits([(moe_layer, sorted(set(experts)))
-                                           for moe_layer, experts in hold.used])
-                    if used:
-                        self._record_table_use(hold.table, used)
-                    if not pool.holds:
-                        self._drain()        # what waited for the holds (a shrink)
-                        self._changed.notify_all()
+                # (one read back a step, also after an error: the kernels before it have
+                # ended, so the slots and host bytes they read may be reused once it ends)
+                used = None
+                try:
+                    if hold.device_used is not None:
+                        used = hold.device_used.nonzero().tolist()
+                finally:
+                    self._end_hold(hold, used)
+
+    def _end_hold(self, hold: Hold, used: list[list[int]] | None) -> None:
+        """The hold's experts counted (its `used` layers, and what the device marked), and
+        the pool free to evict, move and grow again once no hold is left."""
+        pool = self.slot_pool
+        with self._lock:
+            pool.holds -= 1
+            if hold.used:                                  # the layers in the order they ran
+                self._record_hits([(moe_layer, sorted(set(experts)))
+                                   for moe_layer, experts in hold.used])
+            if used:
+                self._record_table_use(hold.table, used)
+            if not pool.holds:
+                self._drain()                # what waited for the holds (a shrink)
+                self._changed.notify_all()
 
     def _expert_table(self) -> ExpertMap:
         """The model's expert table as it stands (kept up to date between steps)."""
@@ -222,11 +231,11 @@ class ModelPool(PagedPool):
             self._table = ExpertTable(self.slot_pool, host_cache, self.name, self._map_expert)
         return self._table.refresh()
 
-    def _map_expert(self, key: ExpertKey) -> MappedExpert | None:
-        """The expert as the Triton kernels may read it in place from the host cache."""
-        return self.loader.mapped(self.slot_pool, self.ckpt.experts[self.moe_layers[key[0]],
-                                                                    key[1]],
-                                  (self.name, *key), touch=False)
+    def _map_expert(self, key: ExpertKey, touch: bool = False) -> MappedExpert | None:
+        """The expert as the Triton kernels may read it in place from the host cache
+        (`touch`: a use, in the cache's LRU order)."""
+        experts = self.ckpt.experts[self.moe_layers[key[0]], key[1]]
+        return self.loader.mapped(self.slot_pool, experts, (self.name, *key), touch)
 
     def _record_table_use(self, table: ExpertMap, used: list[list[int]]) -> None:
         """A step computed these (layer, expert) pairs through `table`: hits for the
@@ -237,16 +246,20 @@ class ModelPool(PagedPool):
             steps.setdefault(moe_layer, []).append(expert)
         self._record_access(list(steps.items()))
         now, pool, stats = self.clock(), self.slot_pool, self.counters
+        loads = []                      # (started after every hit is counted: they may evict)
         for moe_layer, experts in steps.items():
             mapped = [e for e in experts if table.is_mapped(moe_layer, e)]
             for expert in experts:
                 if expert not in mapped:
                     key = (moe_layer, expert)
-                    self._count_hit(key, pool.slots[pool.lookup(key)], now)
+                    index = pool.lookup(key)
+                    assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+                    self._count_hit(key, pool.slots[index], now)
             stats.misses += len(mapped)
             stats.mapped_reads += len(mapped)
-            absent = [e for e in mapped if pool.lookup((moe_layer, e)) == NOT_RESIDENT
-                      and (moe_layer, e) not in self._inflight]
+            loads.append((moe_layer, [e for e in mapped if pool.lookup((moe_layer, e))
+                                      == NOT_RESIDENT and (moe_layer, e) not in self._inflight]))
+        for moe_layer, absent in loads:
             self._start_loads(moe_layer, absent, prefetched=False)
         stats.waves += len(steps)
 
@@ -283,7 +296,7 @@ class ModelPool(PagedPool):
             # host memory the kernels read in place stays allocated until they end
             self._mapped_in_flight = [(event, rows) for event, rows in self._mapped_in_flight
                                       if not event.query()]
-            if done is not None and lease.rows is not None and lease.rows.mapped:
+            if done is not None and lease.rows.mapped:
                 self._mapped_in_flight.append((done, lease.rows))
             self._drain()
             self._changed.notify_all()
@@ -467,10 +480,9 @@ class ModelPool(PagedPool):
         pinned memory mapped into the device's address space), by expert."""
         if not (self.maps_host_experts and missing and self.loader.host_cache is not None):
             return {}
-        layer, mapped = self.moe_layers[moe_layer], {}
+        mapped = {}
         for expert in missing:
-            found = self.loader.mapped(self.slot_pool, self.ckpt.experts[layer, expert],
-                                       (self.name, moe_layer, expert))
+            found = self._map_expert((moe_layer, expert), touch=True)
             if found is not None:
                 mapped[expert] = found
         self.counters.mapped_reads += len(mapped)

@@ -12,9 +12,10 @@ from mox.kernels.attention_triton import decode_attention_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _problem(dtype: torch.dtype, dim: int, value_dim: int, lengths: list[int], seed: int = 0):
+def _problem(dtype: torch.dtype, dim: int, value_dim: int, lengths: list[int], seed: int = 0,
+             heads: int = 8, kv_heads: int = 2):
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, num_slots = 8, 2, 128
+    num_slots = 128
     q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
     keys = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
     values = torch.randn(num_slots, kv_heads, value_dim, generator=gen).to(dtype)
@@ -49,6 +50,15 @@ def test_triton_decode_attention_matches_the_gathered_softmax(dtype, atol, dim, 
                                   window=window, block_n=16)        # several blocks a token
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (16, 2)])   # groups 1, 3, 8
+def test_any_group_of_query_heads_per_kv_head(heads, kv_heads):
+    """Groups padded to a power of two (1 -> 2, 3 -> 4) and the default block of keys."""
+    args = _problem(torch.float32, 32, 32, lengths=[2, 40], heads=heads, kv_heads=kv_heads)
+    want = _reference(*args, scale=0.2, window=None)
+    got = decode_attention_triton(*(a.to(DEVICE) for a in args), scale=0.2, window=None)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_heads_that_do_not_share_kv_heads_evenly_are_refused():

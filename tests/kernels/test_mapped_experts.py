@@ -90,11 +90,10 @@ def test_mapped_quantized_experts_bring_their_scales(fmt: WeightFormat):
 
 
 def test_without_rows_the_slots_are_the_row_space():
-    """The default rows are the pools' slots: a slot map pointing past them reads nothing
-    there (it is refused by the row count, not read out of bounds)."""
+    """The default rows are the pools' slots, at their strides (aligned for vector loads)."""
     x, w13, w2, weights, ids, slot_of = _problem(torch.float32, 3)
     rows = expert_rows(w13, w2)
-    assert rows.num_rows == w13.shape[0] and not rows.mapped
+    assert rows.num_rows == w13.shape[0] and not rows.mapped and rows.aligned
     assert rows.w13.tolist() == [s * w13.stride(0) for s in range(w13.shape[0])]
     got = fused_moe_triton(x, w13, w2, weights, ids, slot_of, config=TILES, rows=rows)
     torch.testing.assert_close(got, reference_fused_moe(x, w13, w2, weights, ids, slot_of),

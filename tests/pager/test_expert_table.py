@@ -90,3 +90,26 @@ def test_experts_the_host_cache_drops_lose_their_rows(pool):
         for expert in range(pool.num_experts):
             resident = pool.slot_pool.lookup((layer, expert)) != NOT_RESIDENT
             assert (table.row_of_host[layer, expert] != NOT_RESIDENT) == resident
+
+
+def test_loads_that_evict_move_both_rows_between_rebuilds(pool):
+    """In a full pool a load evicts another expert: the table follows both changes from the
+    pool's change log, with no full rebuild in between."""
+    pool.resize(3)
+    pool.wait_for_loads()
+    _table(pool)                                             # the rebuild after compaction
+    slots, num_experts = pool.slot_pool, pool.num_experts
+    keys = [(layer, e) for layer in range(pool.num_moe_layers) for e in range(num_experts)]
+    for newcomer in [key for key in keys if slots.lookup(key) == NOT_RESIDENT][:2]:
+        resident = {key for key in keys if slots.lookup(key) != NOT_RESIDENT}
+        for _ in pool.waves(newcomer[0], [newcomer[1]]):
+            pass
+        pool.wait_for_loads()
+        assert slots.num_slots == 3 and resident - {k for k in keys
+                                                    if slots.lookup(k) != NOT_RESIDENT}
+        table = _table(pool)
+        for layer, expert in keys:
+            slot = slots.lookup((layer, expert))
+            want = (table.first_slot_row + slot if slot != NOT_RESIDENT
+                    else layer * num_experts + expert)
+            assert table.row_of_host[layer, expert] == want, (layer, expert)
