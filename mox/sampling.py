@@ -61,10 +61,19 @@ class SamplingParams:
         return generator
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of `logits [S, V]` as host ints (the first of equal maxima, or
+    of NaNs, as torch's): numpy's on a CPU, where torch's took 85 us for one row of 32k values
+    and 1.3 ms for 32 rows, numpy's 7 and 117 (2-core AMD EPYC VM)."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from next-token logits `[V]` (float32)."""
     if params.is_greedy:
-        return int(torch.argmax(logits))
+        return greedy_tokens(logits[None])[0]
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]

@@ -19,7 +19,7 @@ from mox.models import MoEDecoder
 from mox.models.forward_batch import ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
 from mox.pager import ReadsPending
-from mox.sampling import sample
+from mox.sampling import greedy_tokens, sample
 
 PAD_POSITION = 1 << 40      # a padding key's position: after every query, so always masked
 
@@ -108,8 +108,8 @@ class ModelRunner:
         for item in batch.sequences:
             item.seq.num_computed_tokens += item.num_new_tokens
         # greedy rows in one argmax over the batch (one op, not one per sequence)
-        greedy = (logits.argmax(dim=-1).tolist()
-                  if any(seq.params.is_greedy for seq in sampling) else [])
+        greedy = (greedy_tokens(logits) if any(seq.params.is_greedy for seq in sampling)
+                  else [])
         out = []
         for i, (row, seq) in enumerate(zip(logits, sampling)):
             token = greedy[i] if seq.params.is_greedy else sample(row, seq.params,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mox.errors import InvalidRequestError
-from mox.sampling import SamplingParams, sample
+from mox.sampling import SamplingParams, greedy_tokens, sample
 
 
 def _draws(params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
@@ -57,3 +57,10 @@ def test_top_p_keeps_the_nucleus():
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_greedy_rows_take_the_first_of_equal_maxima_and_nans_as_torch():
+    """(numpy's argmax on a CPU: the same choices as torch's, ties and NaNs included)"""
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [float("nan"), 3.0, float("nan"), 0.0],
+                           [-1.0, -1.0, -1.0, -1.0]])
+    assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist() == [1, 0, 0]
