@@ -88,7 +88,9 @@ def expert_rows(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
     arithmetic (no host sync: built in the hot path when nothing is mapped); a mapped expert
     must have a slot's dtype, shape and strides and be readable where the pools are (the same
     GPU, or pinned host memory; any CPU tensor under the interpreter)."""
-    def offsets(pool: torch.Tensor, extra: list[torch.Tensor | None], name: str) -> torch.Tensor:
+    def offsets(pool: torch.Tensor, extra: list[torch.Tensor | None],
+                name: str) -> tuple[torch.Tensor, list[int]]:
+        """The rows' offsets on the pool's device, and the mapped ones' on the host."""
         slots = torch.arange(0, pool.shape[0] * pool.stride(0), pool.stride(0),
                              dtype=torch.int64, device=pool.device)      # one launch
         size, others = pool.element_size(), []
@@ -108,17 +110,16 @@ def expert_rows(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
                 raise ValueError(f"mapped expert {i}: {name} is not aligned to its dtype")
             others.append(delta // size)
         if not others:
-            return slots
-        return torch.cat((slots, torch.tensor(others, dtype=torch.int64).to(pool.device)))
-    scaled = scales is not None
-    w13_rows = offsets(w13, [m.w13 for m in mapped], "w13")
-    w2_rows = offsets(w2, [m.w2 for m in mapped], "w2")
-    deltas = [(t.data_ptr() - pool.data_ptr()) // pool.element_size()
-              for m in mapped for t, pool in ((m.w13, w13), (m.w2, w2))]
-    return ExpertRows(w13_rows, w2_rows,
-                      offsets(scales.w13, [m.s13 for m in mapped], "s13") if scaled else None,
-                      offsets(scales.w2, [m.s2 for m in mapped], "s2") if scaled else None,
-                      tuple(mapped), rows_aligned([w13.stride(0), w2.stride(0), *deltas]))
+            return slots, others
+        return torch.cat((slots, torch.tensor(others, dtype=torch.int64).to(pool.device))), others
+    w13_rows, w13_mapped = offsets(w13, [m.w13 for m in mapped], "w13")
+    w2_rows, w2_mapped = offsets(w2, [m.w2 for m in mapped], "w2")
+    s13_rows, s2_rows = None, None
+    if scales is not None:
+        s13_rows = offsets(scales.w13, [m.s13 for m in mapped], "s13")[0]
+        s2_rows = offsets(scales.w2, [m.s2 for m in mapped], "s2")[0]
+    return ExpertRows(w13_rows, w2_rows, s13_rows, s2_rows, tuple(mapped),
+                      rows_aligned([w13.stride(0), w2.stride(0), *w13_mapped, *w2_mapped]))
 
 
 def rows_aligned(offsets: list[int]) -> bool:

@@ -135,15 +135,12 @@ class MoEDecoder:
                      native_moe: bool) -> Generator[ReadsPending | None, None, torch.Tensor]:
         """The layers one by one: the stream `x [T, H]` through each, natively per half where
         the flags say (CPU decode)."""
-        eps = self.spec.rms_norm_eps
         for i, layer in enumerate(self.layers):
             native_layer = self._native_layer(i) if native_block else None
             if native_layer is not None:           # CPU decode: the same steps in one call
                 x, h = attention_block(native_layer, i, x, self.rotary, batch)
             else:
-                h = rms_norm(x, layer.input_norm, eps)
-                x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
-                h = rms_norm(x, layer.post_attention_norm, eps)
+                x, h = self._attention_half(i, x, batch)
             if isinstance(layer.mlp, MoEWeights):
                 self._prefetch_next(layer.mlp, h)
                 x = yield from moe_block(self.spec, layer.mlp, self.experts, h, x,
@@ -152,6 +149,15 @@ class MoEDecoder:
                 x = x + layer.mlp(h)
             yield None
         return x
+
+    def _attention_half(self, i: int, x: torch.Tensor, batch: ForwardBatch
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention half step by step: the stream after it, and its normed rows
+        for the MLP half."""
+        layer, eps = self.layers[i], self.spec.rms_norm_eps
+        x = x + self.attention(self.spec, layer.attention, i, rms_norm(x, layer.input_norm, eps),
+                               self.rotary, batch)
+        return x, rms_norm(x, layer.post_attention_norm, eps)
 
     def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch
                        ) -> Generator[ReadsPending | None, None, torch.Tensor]:
@@ -183,16 +189,13 @@ class MoEDecoder:
         experts through the pager's table (in a slot, or in place from the pinned host
         cache: `table_moe_block`), and the experts the step used are read back once, when
         its hold ends. Where some expert's bytes are only on disk, the layers page as usual."""
-        eps = self.spec.rms_norm_eps
         with self.experts.holding(table=True) as hold:
             if hold.table.complete:
                 used = hold.device_used = torch.zeros(  # (read back even if a layer raises)
                     self.experts.num_moe_layers, self.spec.num_experts, dtype=torch.int32,
                     device=x.device)
                 for i, layer in enumerate(self.layers):
-                    h = rms_norm(x, layer.input_norm, eps)
-                    x = x + self.attention(self.spec, layer.attention, i, h, self.rotary, batch)
-                    h = rms_norm(x, layer.post_attention_norm, eps)
+                    x, h = self._attention_half(i, x, batch)
                     if isinstance(layer.mlp, MoEWeights):
                         x = table_moe_block(self.spec, layer.mlp, hold, h, x, used)
                     else:

@@ -44,11 +44,7 @@ class ExpertMap:
     row_of_host: np.ndarray
     rows: ExpertRows
     first_slot_row: int
-
-    @property
-    def complete(self) -> bool:
-        """Every expert has a row: a step computes any routing without asking the host."""
-        return bool((self.row_of_host != NOT_RESIDENT).all())
+    complete: bool          # every expert has a row: a step computes any routing without asking
 
     def is_mapped(self, layer: int, expert: int) -> bool:
         return NOT_RESIDENT < self.row_of_host[layer, expert] < self.first_slot_row
@@ -90,9 +86,10 @@ class ExpertTable:
             dirty |= self._place(key)
         if dirty:
             self._base = base
-            self.current = ExpertMap(torch.from_numpy(self.row_of_host.copy()).to(pool.device),
-                                     self.row_of_host.copy(), self._rows(),
-                                     self.first_slot_row)
+            rows_host = self.row_of_host.copy()
+            self.current = ExpertMap(torch.from_numpy(rows_host).to(pool.device), rows_host,
+                                     self._rows(), self.first_slot_row,
+                                     bool((rows_host != NOT_RESIDENT).all()))
         return self.current
 
     def _cache_key(self, key: ExpertKey) -> CacheKey:
@@ -127,18 +124,16 @@ class ExpertTable:
                            dtype=np.int64, count=len(keys))
         addresses = np.array([_addresses(self.mapped[key]) for key in keys],
                              dtype=np.int64).reshape(len(keys), 4)
-        offsets = []
+        tables = []
         for j, tensor in enumerate(pools):
             table = np.zeros(self.first_slot_row + pool.num_slots, dtype=np.int64)
             table[rows] = (addresses[:, j] - tensor.data_ptr()) // tensor.element_size()
             table[self.first_slot_row:] = np.arange(pool.num_slots) * tensor.stride(0)
-            offsets.append(torch.from_numpy(table).to(pool.device))
+            tables.append(table)
+        offsets = [torch.from_numpy(table).to(pool.device) for table in tables]
         scales = offsets[2:] if pool.fmt is not None else [None, None]
-        deltas = (addresses[:, :2] - [pool.w13.data_ptr(), pool.w2.data_ptr()]) // [
-            pool.w13.element_size(), pool.w2.element_size()]
         return ExpertRows(offsets[0], offsets[1], *scales, mapped=tuple(self.mapped.values()),
-                          aligned=rows_aligned([pool.w13.stride(0), pool.w2.stride(0),
-                                                *deltas.ravel().tolist()]))
+                          aligned=rows_aligned([*tables[0].tolist(), *tables[1].tolist()]))
 
 
 def _addresses(m: MappedExpert) -> tuple[int, int, int, int]:
