@@ -42,7 +42,7 @@ from .native_moe import (
     native_format,
     pool_structs,
 )
-from .native_step import StepLayers, check_layers_step
+from .native_step import StepLayers, StepTail, check_layers_step
 from .quant import FP8, ExpertScales
 
 ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
@@ -115,7 +115,7 @@ class NativeKernels:
         layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
                            + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                            + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
-                           + [ctypes.c_int64, PoolStruct, PoolStruct] + [ctypes.c_void_p] * 4)
+                           + [ctypes.c_int64, PoolStruct, PoolStruct] + [ctypes.c_void_p] * 6)
         layers.restype = ctypes.c_int64
         self._decode_layers = layers
         route = self._lib.mox_route_bf16
@@ -249,16 +249,17 @@ class NativeKernels:
                       kv_slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
                       activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
-                      b2: torch.Tensor | None = None
-                      ) -> tuple[int, torch.Tensor, torch.Tensor]:
+                      b2: torch.Tensor | None = None, tail: StepTail | None = None
+                      ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A decode step's layers from `first` on (csrc/decode_layers.c: each layer's
         `attention_block` then `moe_block`) over the stream `x [T, H]` bf16, in place. Returns
         where it stopped: every layer, or the first whose experts were not all resident (`x`
-        then its stream after attention, `h [T, H]` its normed rows), and the routing
-        weights `[L, T, k]` float32 and ids `[L, T, k]` int32 of the layers it reached. The
-        attention arguments as `attention_block` takes them (`store`: the keys and values of
-        a layer, the shape of every layer's, which `step` points to), the pools as
-        `moe_block`."""
+        then its stream after attention, `h [T, H]` its normed rows), the routing weights
+        `[L, T, k]` float32 and ids `[L, T, k]` int32 of the layers it reached, and with a
+        `tail`, where every layer ran, the logits `[T, V]` float32 (bf16 values) of the
+        final norm and lm_head (else None). The attention arguments as `attention_block`
+        takes them (`store`: the keys and values of a layer, the shape of every layer's,
+        which `step` points to), the pools as `moe_block`."""
         cos, sin = (t.reshape(t.shape[0], -1) for t in tables)
         keys, values = store
         check_layers_step(step, x, h, cos, sin, keys, values,
@@ -271,19 +272,25 @@ class NativeKernels:
         weights = torch.empty(num_layers, num_tokens, shape.top_k, dtype=torch.float32)
         ids = torch.empty(num_layers, num_tokens, shape.top_k, dtype=torch.int32)
         residual = torch.empty_like(x)
+        if tail is not None and tail.norm.shape[0] != x.shape[1]:
+            raise ValueError("decode_layers' tail is for another hidden size")
+        logits = (torch.empty(num_tokens, tail.lm_head.shape[0], dtype=torch.float32)
+                  if tail is not None else None)
         done = self._decode_layers(
             step.array, first, num_layers, x.data_ptr(), h.data_ptr(), num_tokens,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), keys.shape[0],
             slot_mapping.data_ptr(), kv_slots.data_ptr(), kv_slots.shape[0], starts.data_ptr(),
             lengths.data_ptr(), w13.shape[0], *pool_structs(w13, w2, scales), gates,
-            weights.data_ptr(), ids.data_ptr(), residual.data_ptr())
+            weights.data_ptr(), ids.data_ptr(), residual.data_ptr(),
+            ctypes.addressof(tail.struct) if tail is not None else None,
+            logits.data_ptr() if logits is not None else None)
         if done == -2:
             raise MemoryError("decode_layers could not allocate its intermediates")
         if done < 0:
             raise ValueError(f"decode_layers refused T={num_tokens} from layer {first} (a "
                              f"slot outside the store, a key run outside the keys, or a "
                              f"layer unlike the others)")
-        return done, weights, ids
+        return done, weights, ids, (logits if done == num_layers else None)
 
     def route(self, logits: torch.Tensor, k: int, scoring: str, renormalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

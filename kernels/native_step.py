@@ -21,6 +21,35 @@ class StepLayerStruct(ctypes.Structure):
                 for name in ("attention", "moe", "keys", "values", "slot_of")]
 
 
+class StepTailStruct(ctypes.Structure):
+    """decode_layers.c's step_tail_t."""
+
+    _fields_ = [("norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                ("vocab", ctypes.c_int64), ("eps", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class StepTail:
+    """The model's final norm and lm_head as decode_layers.c runs them after the last layer
+    (the tensors kept alive with the struct)."""
+
+    struct: StepTailStruct
+    norm: torch.Tensor                  # [H] bf16
+    lm_head: torch.Tensor               # [V, H] bf16, rows contiguous
+
+
+def step_tail(norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> StepTail | None:
+    """The tail for decode_layers, or None where the native norm and GEMV would not serve it
+    (the caller then runs it in torch)."""
+    if (norm.dtype != torch.bfloat16 or lm_head.dtype != torch.bfloat16 or norm.dim() != 1
+            or lm_head.dim() != 2 or lm_head.shape[1] != norm.shape[0]
+            or not norm.is_contiguous() or not lm_head.is_contiguous()
+            or norm.device.type != "cpu" or lm_head.device.type != "cpu"):
+        return None
+    return StepTail(StepTailStruct(norm.data_ptr(), lm_head.data_ptr(), lm_head.shape[0], eps),
+                    norm, lm_head)
+
+
 @dataclass(frozen=True)
 class StepLayers:
     """The structs' array and the structs it points to (kept alive with it). It points into

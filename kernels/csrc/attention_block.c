@@ -58,7 +58,8 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
     uint16_t *attended = normed + T * (qw + kw), *projected = attended + T * qw;
     int status;
     if ((status = mox_rms_norm_bf16(x, H, L->input_norm, h, H, T, H, L->eps)) != 0
-        || (status = mox_gemv_bf16(h, H, L->qkv, H, qkv, width, T, width, H, 1, 1)) != 0)
+        || (status = mox_gemv_bf16(h, H, L->qkv, H, qkv, width, T, width, H, OUT_BF16,
+                                   1)) != 0)
         goto done;
     if (L->qkv_bias)
         add_rows(qkv, width, L->qkv_bias, 0, T, width, qkv, width);
@@ -87,7 +88,8 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
         goto done;
     for (int64_t i = 0; i < T * qw; i++)
         attended[i] = f32_to_bf16(scores[i]);
-    if ((status = mox_gemv_bf16(attended, qw, L->o, qw, projected, H, T, H, qw, 1, 1)) != 0)
+    if ((status = mox_gemv_bf16(attended, qw, L->o, qw, projected, H, T, H, qw, OUT_BF16,
+                                1)) != 0)
         goto done;
     if (L->o_bias)
         add_rows(projected, H, L->o_bias, 0, T, H, projected, H);

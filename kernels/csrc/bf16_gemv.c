@@ -35,20 +35,23 @@ int mox_vector_isa(void) {
     return ISA_PLAIN;
 }
 
-/* a row's M sums (sums[m * lds]) into y (float32, or bf16 rounded to nearest even) at
- * column n */
+/* a row's M sums (sums[m * lds]) into y at column n: float32 (OUT_F32), bf16 rounded to
+ * nearest even (OUT_BF16), or float32 holding that bf16 (OUT_BF16_AS_F32: the logits of a
+ * bf16 lm_head, as torch's bf16 linear then .float() gives them, in one pass) */
 static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int64_t lds, int M,
-                         int out_bf16) {
+                         int out) {
     for (int m = 0; m < M; m++) {
-        if (out_bf16)
+        if (out == OUT_BF16)
             ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(sums[m * lds]);
+        else if (out == OUT_BF16_AS_F32)
+            ((float *)y)[m * ldy + n] = bf16_to_f32(f32_to_bf16(sums[m * lds]));
         else
             ((float *)y)[m * ldy + n] = sums[m * lds];
     }
 }
 
 static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
-                 int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out_bf16,
+                 int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out,
                  int isa) {
     if (isa == ISA_AVX2) {             /* three weight rows at a time against every x row */
         #pragma omp parallel for schedule(static)
@@ -57,7 +60,7 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
             float sums[3 * M];                   /* M <= MAX_GEMV_ROWS: 12 KiB of stack */
             tiles_avx2(xf, ldx, M, w + n * ldw, ldw, nr, sums, 3, K);
             for (int j = 0; j < nr; j++)
-                store(y, ldy, n + j, sums + j, 3, M, out_bf16);
+                store(y, ldy, n + j, sums + j, 3, M, out);
         }
         return;
     }
@@ -65,16 +68,16 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
     for (int64_t n = 0; n < N; n++) {
         float sums[M];                       /* M <= MAX_GEMV_ROWS: a few KiB of stack */
         rows_dot(x, ldx, M, w + n * ldw, sums, 1, K, isa);
-        store(y, ldy, n, sums, 1, M, out_bf16);
+        store(y, ldy, n, sums, 1, M, out);
     }
 }
 
-/* y [M, N] (row stride ldy; float32, or bf16 with out_bf16) = x [M, K] bf16 (ldx) . w [N, K]^T
- * bf16 (ldw). M <= MAX_GEMV_ROWS; the fast path needs K % 32 == 0 (the caller checks).
- * Returns 0, -1 for arguments it does not take, or -2 out of memory. */
+/* y [M, N] (row stride ldy; `out`: OUT_F32, OUT_BF16 or OUT_BF16_AS_F32) = x [M, K] bf16
+ * (ldx) . w [N, K]^T bf16 (ldw). M <= MAX_GEMV_ROWS; the fast path needs K % 32 == 0 (the
+ * caller checks). Returns 0, -1 for arguments it does not take, or -2 out of memory. */
 int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
-                  int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast) {
-    if (M < 1 || M > MAX_GEMV_ROWS || N < 1 || K < 1)
+                  int64_t ldy, int64_t M, int64_t N, int64_t K, int out, int fast) {
+    if (M < 1 || M > MAX_GEMV_ROWS || N < 1 || K < 1 || out < OUT_F32 || out > OUT_BF16_AS_F32)
         return -1;
     int isa = fast ? mox_vector_isa() : ISA_PLAIN;
     if (fast && (K % 32 != 0 || isa == ISA_PLAIN))
@@ -82,7 +85,7 @@ int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
     float *xf = widen_rows(x, ldx, M, K, isa);
     if (isa == ISA_AVX2 && xf == NULL)
         return -2;
-    gemv(x, xf, xf ? K : ldx, w, ldw, y, ldy, (int)M, N, K, out_bf16, isa);
+    gemv(x, xf, xf ? K : ldx, w, ldw, y, ldy, (int)M, N, K, out, isa);
     free(xf);
     return 0;
 }

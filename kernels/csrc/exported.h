@@ -8,8 +8,11 @@
 
 #include "moe_pools.h"
 
+/* mox_gemv_bf16's outputs */
+enum { OUT_F32, OUT_BF16, OUT_BF16_AS_F32 };
+
 int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
-                  int64_t ldy, int64_t M, int64_t N, int64_t K, int out_bf16, int fast);
+                  int64_t ldy, int64_t M, int64_t N, int64_t K, int out, int fast);
 int mox_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,
                       int64_t ldo, int64_t rows, int64_t dim, float eps);
 int mox_rope_kv_bf16(uint16_t *q, int64_t ldq, uint16_t *k, int64_t ldk, const uint16_t *v,

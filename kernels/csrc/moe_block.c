@@ -110,7 +110,7 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
     float *scores = (float *)(counts + P), *row_weights = scores + E;
     float *gate_up = row_weights + P, *down = gate_up + P * 2 * I, *sums = down + P * H;
     uint16_t *logits = (uint16_t *)(sums + T * H), *rows = logits + T * E, *act = rows + P * H;
-    int status = mox_gemv_bf16(h, H, L->router, H, logits, E, T, E, H, 1, 1);
+    int status = mox_gemv_bf16(h, H, L->router, H, logits, E, T, E, H, OUT_BF16, 1);
     if (status != 0)
         goto done;
     if (L->router_bias)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from mox.kernels import native
 from mox.kernels.native_attention import AttentionLayer
 from mox.kernels.native_moe import MoELayer
-from mox.kernels.native_step import StepLayers, step_layers
+from mox.kernels.native_step import StepLayers, step_layers, step_tail
 from mox.loaders.spec import ModelSpec
 from mox.models.attention import (
     AttentionWeights,
@@ -85,6 +85,7 @@ class MoEDecoder:
         self._native_moe_layers: dict[int, MoELayer | None] = {}      # see _native_moe
         self._every_layer_native: bool | None = None                   # see _chains
         self._step: tuple[tuple, StepLayers] | None = None             # see _step_layers
+        self._tail = step_tail(final_norm, lm_head, spec.rms_norm_eps)  # see _decode_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,7 +122,9 @@ class MoEDecoder:
         native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
         native_moe = batch.key_ranges is not None and self._takes_native_moe(x)
         if native_block and native_moe and self._chains():
-            x = yield from self._decode_layers(x, batch)
+            x, logits = yield from self._decode_layers(x, batch)
+            if logits is not None:                 # the last call ran the tail too
+                return logits
         elif self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
             x = yield from self._table_layers(x, batch)
         else:
@@ -160,20 +163,27 @@ class MoEDecoder:
         return x, rms_norm(x, layer.post_attention_norm, eps)
 
     def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch
-                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:
+                       ) -> Generator[ReadsPending | None, None,
+                                      tuple[torch.Tensor, torch.Tensor | None]]:
         """Every layer of a CPU decode step through native calls (csrc/decode_layers.c): one
         for the whole step while the tokens' experts are resident; a layer that finds one
-        missing pages its experts in waves, and the next call takes up after it."""
-        kernels, h, first, step = native.kernels(), torch.empty_like(x), 0, None
+        missing pages its experts in waves, and the next call takes up after it. Returns the
+        stream, and the logits where the call that ran the last layer also ran the tail
+        (every row sampled, and the native norm and GEMV serve the tail's shapes)."""
+        kernels, h, first, step, logits = native.kernels(), torch.empty_like(x), 0, None, None
         starts, lengths = batch.key_ranges
         tables, gate = batch.rotary_tables(self.rotary), activation(self.spec)
         stores = [batch.kv.rows(i) for i in range(len(self.layers))]
+        tail = (self._tail if self._tail is not None and batch.logits_indices is None
+                and native.takes(x, self.lm_head) and native.takes_norm(x, self.final_norm)
+                else None)
         while first < len(self.layers):
             with self.experts.holding() as hold:
                 step = step or self._step_layers(stores, hold.slot_of)
-                done, weights, ids = kernels.decode_layers(
+                done, weights, ids, logits = kernels.decode_layers(
                     step, first, x, h, tables, stores[0], batch.slot_mapping, batch.kv_slots,
-                    starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13, hold.b2)
+                    starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13, hold.b2,
+                    tail)
                 hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
                                  ids.numpy().reshape(len(ids), -1)[first:done].tolist())
             if done < len(self.layers):
@@ -181,7 +191,7 @@ class MoEDecoder:
                                              h, x, weights[done], ids[done])
             yield None
             first = done + 1
-        return x
+        return x, logits
 
     def _table_layers(self, x: torch.Tensor, batch: ForwardBatch
                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:

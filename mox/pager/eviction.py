@@ -2,6 +2,7 @@
 
 Interface (all calls under the pager's lock, so implementations need no locking):
     on_access(key, now)   the expert was used by a step (a hit or a completed load)
+    on_access_many(keys, now)   several were, at once (a decode step's hits)
     on_evict(key)         the expert left the pool
     victims(candidates, count, now) -> keys   the `count` (or fewer) of these unleased
                                               resident experts to evict first
@@ -27,6 +28,10 @@ RATE_HALF_LIFE_S = 60.0
 class EvictionPolicy:
     def on_access(self, key: ExpertKey, now: float) -> None:
         raise NotImplementedError
+
+    def on_access_many(self, keys: Iterable[ExpertKey], now: float) -> None:
+        for key in keys:
+            self.on_access(key, now)
 
     def on_evict(self, key: ExpertKey) -> None:
         pass
@@ -93,6 +98,15 @@ class RatePolicy(EvictionPolicy):
 
     def on_access(self, key: ExpertKey, now: float) -> None:
         self.log_freq[key] = math.log(self.frequency(key, now) + 1.0) + self._growth(now)
+
+    def on_access_many(self, keys: Iterable[ExpertKey], now: float) -> None:
+        # on_access's arithmetic with the growth computed once: a decode step's few dozen
+        # hits are counted on the step's critical path
+        growth, log_freq, exp, log = self._growth(now), self.log_freq, math.exp, math.log
+        for key in keys:
+            shifted = log_freq.get(key)
+            log_freq[key] = log((0.0 if shifted is None else exp(shifted - growth))
+                                + 1.0) + growth
 
     def score(self, key: ExpertKey, now: float) -> float:
         return self.log_freq.get(key, -math.inf)

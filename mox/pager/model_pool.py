@@ -377,8 +377,7 @@ class ModelPool(PagedPool):
         """Layer steps, in order, route to these experts (each distinct, sorted; no layer
         twice): usage, the miss-ratio curve, and the reads queued for the layers."""
         now, num_experts = self.clock(), self.num_experts
-        for moe_layer, wanted in steps:
-            self.usage.record(moe_layer, wanted, now)
+        self.usage.record(steps, now)
         self.miss_curve.record(np.fromiter((moe_layer * num_experts + expert
                                             for moe_layer, wanted in steps for expert in wanted),
                                            int), now, [len(wanted) for _, wanted in steps])
@@ -390,14 +389,17 @@ class ModelPool(PagedPool):
         """Layer steps, in order, computed these experts (each distinct, sorted, all
         resident) in their slots."""
         self._record_access(steps)
-        now, pool = self.clock(), self.slot_pool
-        for moe_layer, wanted in steps:
-            for expert in wanted:
-                key = (moe_layer, expert)
-                index = pool.lookup(key)
-                assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
-                self._count_hit(key, pool.slots[index], now)
-        self.counters.waves += len(steps)
+        pool, stats = self.slot_pool, self.counters
+        keys = [(moe_layer, expert) for moe_layer, wanted in steps for expert in wanted]
+        for key in keys:                  # _count_hit's counts, for the step's keys at once
+            index = pool.lookup(key)
+            assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
+            slot = pool.slots[index]
+            stats.prefetch_hits += slot.prefetched
+            slot.prefetched = False
+        stats.hits += len(keys)
+        self.policy.on_access_many(keys, self.clock())
+        stats.waves += len(steps)
 
     def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
         self.counters.hits += 1

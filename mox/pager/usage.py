@@ -61,11 +61,14 @@ class ExpertUsage:
         self.steps = np.zeros(num_layers)                                # [L]
         self._decay = GrowingWeights(half_life_s, self.counts, self.steps)
 
-    def record(self, moe_layer: int, experts: Iterable[int], now: float) -> None:
-        weight, row = self._decay.weight(now), self.counts[moe_layer]
-        for expert in experts:        # (a decode's few: cheaper than one fancy-indexed add)
-            row[expert] += weight
-        self.steps[moe_layer] += weight
+    def record(self, steps: Iterable[tuple[int, Iterable[int]]], now: float) -> None:
+        """Layer steps at `now`: each `(moe_layer, experts)` (distinct) used its experts."""
+        weight, counts, layer_steps = self._decay.weight(now), self.counts, self.steps
+        for moe_layer, experts in steps:
+            row = counts[moe_layer]
+            for expert in experts:    # (a decode's few: cheaper than one fancy-indexed add)
+                row[expert] += weight
+            layer_steps[moe_layer] += weight
 
     def probabilities(self, now: float) -> np.ndarray:
         """`[L, E]`, smoothed toward the uniform k/E by `USAGE_PRIOR_STEPS` steps of now."""

@@ -32,8 +32,9 @@ def checkpoints(tmp_path_factory):
 
 
 def _step(path: str, monkeypatch, chained: bool, slots_share: float = 1.0):
-    """A fresh model's decode-batch logits, the `decode_layers` calls' first layers and
-    results, and the pager's counters after it."""
+    """A fresh model's decode-batch logits, the `decode_layers` calls' first layers,
+    results and whether each ran the tail (final norm and lm_head), and the pager's counters
+    after it."""
     model = open_tiny(path, torch.bfloat16)
     pool = model.experts
     pool.resize(max(pool.top_k, int(pool.max_slots * slots_share)))
@@ -42,9 +43,9 @@ def _step(path: str, monkeypatch, chained: bool, slots_share: float = 1.0):
     kernels, calls = native.kernels(), []
     run = kernels.decode_layers
     def counted(step, first, *args, **kwargs):
-        done, weights, ids = run(step, first, *args, **kwargs)
-        calls.append((first, done))
-        return done, weights, ids
+        done, weights, ids, logits = run(step, first, *args, **kwargs)
+        calls.append((first, done, logits is not None))
+        return done, weights, ids, logits
     with monkeypatch.context() as patch:
         patch.setattr(kernels, "decode_layers", counted)
         if not chained:
@@ -64,7 +65,7 @@ def test_one_call_for_every_layer_gives_the_same_bits_and_hits(checkpoints, case
     by_layer, no_calls, by_layer_counts, _ = _step(checkpoints[case], monkeypatch,
                                                    chained=False)
     layers = model.spec.num_layers
-    assert calls == [(0, layers)] and no_calls == []
+    assert calls == [(0, layers, True)] and no_calls == []    # the tail in the same call
     assert torch.equal(chained, by_layer)
     assert counts == by_layer_counts and counts["misses"] == 0
     assert counts["waves"] == layers and counts["hits"] >= layers * model.spec.top_k
@@ -80,11 +81,13 @@ def test_a_layer_that_misses_pages_in_waves_and_the_chain_goes_on(checkpoints, m
                                             chained=False, slots_share=0.25)
     layers = model.spec.num_layers
     assert len(calls) > 1 and calls[0][0] == 0
-    for (first, done), (following, _) in zip(calls, calls[1:]):
+    for (first, done, _), (following, _, _) in zip(calls, calls[1:]):
         assert first <= done < layers and following == done + 1
     # every layer ran in a call or paged after the call that stopped at it
-    stopped = sum(done < layers for _, done in calls)
-    assert sum(done - first for first, done in calls) + stopped == layers
+    stopped = sum(done < layers for _, done, _ in calls)
+    assert sum(done - first for first, done, _ in calls) + stopped == layers
+    # the tail runs in the call that runs the last layer, and only there
+    assert [tail for _, _, tail in calls] == [done == layers for _, done, _ in calls]
     assert counts["misses"] > 0 and counts == by_layer_counts
     assert torch.equal(chained, by_layer)
 
@@ -159,3 +162,22 @@ def test_layers_that_disagree_are_refused(checkpoints):
     keys, values = stores[-1]
     with pytest.raises(ValueError, match="disagree"):
         step_layers(attention, moe, rows, stores[:-1] + [(keys[:-1], values[:-1])], slot_of)
+
+
+def test_a_batch_that_gathers_its_logits_rows_runs_the_tail_in_torch(checkpoints, monkeypatch):
+    """The native tail covers every row; a batch naming the rows it samples (`logits_indices`)
+    takes the tail from Python after the chain: no logits from the call, the same values."""
+    model = open_tiny(checkpoints["olmoe"], torch.bfloat16)
+    batch = decode_batch(model, torch.Generator().manual_seed(11))
+    every_row = model.forward_batch(batch)
+    model = open_tiny(checkpoints["olmoe"], torch.bfloat16)
+    batch = decode_batch(model, torch.Generator().manual_seed(11))
+    batch.logits_indices = torch.tensor([2, 0])
+    kernels, tails = native.kernels(), []
+    run = kernels.decode_layers
+    def counted(*args, **kwargs):
+        result = run(*args, **kwargs)
+        tails.append(result[3] is not None)
+        return result
+    monkeypatch.setattr(kernels, "decode_layers", counted)
+    assert torch.equal(model.forward_batch(batch), every_row[[2, 0]]) and tails == [False]

@@ -199,6 +199,19 @@ def test_policies_choose_their_victims():
     assert rate.frequency((0, 7), 30.0) == 0.0
 
 
+def test_a_steps_hits_at_once_score_as_they_would_one_by_one():
+    """on_access_many (a decode step's hits) leaves every policy as on_access in turn does,
+    bit for bit, new keys and known ones alike."""
+    steps = [[(0, 1), (0, 2)], [(0, 1), (1, 5), (0, 3)], [(1, 5)], [(0, 2), (0, 9)]]
+    for make in (LRUPolicy, LFUPolicy, lambda: RatePolicy(half_life_s=10.0)):
+        at_once, in_turn = make(), make()
+        for t, keys in enumerate(steps):
+            at_once.on_access_many(keys, 3.7 * t)
+            for key in keys:
+                in_turn.on_access(key, 3.7 * t)
+        assert at_once == in_turn
+
+
 def test_host_tier_serves_evicted_experts(ckpt):
     expert_bytes_disk = ckpt.expert_nbytes
     pool = new_pool(ckpt, num_slots=2, host_memory=8 * expert_bytes_disk)

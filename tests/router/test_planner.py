@@ -202,14 +202,14 @@ def test_traffic_rises_and_falls():
 def test_expert_usage_is_a_decayed_frequency():
     usage = ExpertUsage(num_layers=1, num_experts=4, top_k=1, half_life_s=10.0)
     for t in range(100):
-        usage.record(0, [0], float(t))
+        usage.record([(0, [0])], float(t))
     p = usage.probabilities(100.0)
     assert p[0, 0] > 0.9 and p[0, 1:].max() < 0.1
     for t in range(100, 200):                              # traffic moves to expert 3
-        usage.record(0, [3], float(t))
+        usage.record([(0, [3])], float(t))
     p = usage.probabilities(200.0)
     assert p[0, 3] > 0.9 and p[0, 0] < 0.1
-    usage.record(0, [1], 1e6)                              # far later: weights rebase
+    usage.record([(0, [1])], 1e6)                              # far later: weights rebase
     assert np.isfinite(usage.probabilities(1e6)).all()
 
 
