@@ -245,10 +245,11 @@ def _stub_moe_block(layer, h, num_tokens, slot_of, num_slots, p13, p2, gating, w
 
 def _stub_decode_layers(layers, first, num_layers, x, h, num_tokens, *args) -> int:
     """csrc/decode_layers.c's call stubbed as `_stub_moe_block`: every layer done, every
-    token routed to expert 0."""
+    token routed to expert 0 (the logits, where a tail is asked for, left unwritten)."""
     k = ctypes.cast(layers, ctypes.POINTER(StepLayerStruct)).contents.moe
     top_k = ctypes.cast(k, ctypes.POINTER(MoELayerStruct)).contents.top_k
-    ctypes.memset(args[-2], 0, num_layers * num_tokens * top_k * 4)
+    ids = args[-4]                                   # (..., ids, residual, tail, logits)
+    ctypes.memset(ids, 0, num_layers * num_tokens * top_k * 4)
     return num_layers
 
 
@@ -279,10 +280,10 @@ def diagnosis(r: dict) -> list[str]:
                      "rest": p["step_ms"] - p["attention_ms"] - p["moe_block_ms"]
                      - step["other_gemms_ms"]}
         lines.append(
-            f"- {n} seqs: a decode step {step['step_ms']:.1f} ms = every layer in one native "
-            f"call {step['decode_layers_ms']:.1f} + the rest "
-            f"{step['step_ms'] - step['decode_layers_ms']:.1f} (lm_head and router GEMMs alone"
-            f" {step['other_gemms_ms']:.1f}; the final norm, sampling, engine); with the "
+            f"- {n} seqs: a decode step {step['step_ms']:.1f} ms = every layer, the final "
+            f"norm and the lm_head in one native call {step['decode_layers_ms']:.1f} (lm_head "
+            f"and router GEMMs alone {step['other_gemms_ms']:.1f}) + the rest "
+            f"{step['step_ms'] - step['decode_layers_ms']:.1f} (sampling, engine); with the "
             f"native kernels stubbed out it takes {step['kernels_stubbed']['step_ms']:.1f} ms"
             f" (the work around them). Layer by layer, one native call per half a layer (timed"
             f" apart): {p['step_ms']:.1f} ms = attention {p['attention_ms']:.1f} (its GEMMs "
