@@ -376,11 +376,7 @@ class ModelPool(PagedPool):
     def _record_access(self, steps: list[tuple[int, list[int]]]) -> None:
         """Layer steps, in order, route to these experts (each distinct, sorted; no layer
         twice): usage, the miss-ratio curve, and the reads queued for the layers."""
-        now, num_experts = self.clock(), self.num_experts
-        self.usage.record(steps, now)
-        self.miss_curve.record(np.fromiter((moe_layer * num_experts + expert
-                                            for moe_layer, wanted in steps for expert in wanted),
-                                           int), now, [len(wanted) for _, wanted in steps])
+        self._record_usage(steps, self.clock())
         if self._inflight:
             for moe_layer, wanted in steps:
                 self._settle_queued(moe_layer, set(wanted))

@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -22,7 +23,7 @@ from hypothesis.stateful import (
 from mox.errors import MoxError
 from mox.loaders import Checkpoint, CheckpointError
 from mox.loaders.stream import read_tensor
-from mox.pager import ModelPool
+from mox.pager import ModelPool, paging
 from mox.pager.eviction import LFUPolicy, LRUPolicy, RatePolicy
 from mox.pager.model_pool import Lease
 from tests.pager.pools import CPU, new_pool
@@ -466,3 +467,26 @@ def test_most_used_picks_the_busiest_experts_within_the_budget(ckpt):
     pool.release(pool.acquire(0, [7]))
     assert pool.most_used(3) == {0: [7], 1: [2, 5]}
     assert sum(map(len, pool.most_used(100).values())) == 4        # at most the slots
+
+
+
+def test_usage_records_wait_and_read_the_same(ckpt, monkeypatch):
+    """A step's usage and miss-curve records wait to be applied in bulk; whoever reads the
+    statistics gets what records applied at once give, bit for bit, times and order kept."""
+    steps = [[(0, [1, 2])], [(0, [2]), (1, [0, 3])], [(1, [3])], [(0, [0, 1, 2, 3])]] * 5
+    figures = []
+    for wait in (paging.UNRECORDED_STEPS, 1):      # in bulk; then each at once
+        monkeypatch.setattr(paging, "UNRECORDED_STEPS", wait)
+        pool, seen = new_pool(ckpt, num_slots=None), []
+        pool.release(pool.acquire(0, range(4)))
+        pool.release(pool.acquire(1, range(4)))
+        for i, step in enumerate(steps):
+            with pool.holding() as hold:
+                hold.used += step
+            if i % 7 == 3:                         # a read between steps
+                seen.append(pool.demand().hit_rates.copy())
+            assert len(pool._unrecorded) < wait
+        figures.append((pool.usage.counts, pool.usage.steps, pool.miss_curve.counts,
+                        pool.miss_curve.last_use, *seen))
+    bulk, at_once = figures
+    assert all(np.array_equal(a, b) for a, b in zip(bulk, at_once, strict=True))
