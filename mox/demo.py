@@ -30,7 +30,7 @@ from mox.registry import default_home
 
 DEMO_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3",
                       "deepseek_v2", "gpt_oss")
-PRESETS = ("demo", "mid", "bench")
+PRESETS = ("demo", "mid", "bench", "experts")
 DEMO_SHARD_BYTES = 16 * 1024**2      # small shards, so demos exercise the index path
 BENCH_SHARD_BYTES = 1024**3          # ~ what published checkpoints use
 TOKENIZER_VOCAB = 2048               # the BPE trainer stops earlier on the small corpus
@@ -79,6 +79,11 @@ BENCH_SIZE = Size(1024, 8, 16, 4, 64, experts=64, top_k=4, moe_intermediate=512,
 # Bench's expert count and top-k at about a quarter of its bytes (~0.38 GiB of experts +
 # ~0.07 GiB dense): a dozen of them fit the load test's 10-15 minutes on 2 CPU cores.
 MID_SIZE = Size(512, 8, 8, 4, 64, experts=64, top_k=4, moe_intermediate=256, vocab=32000)
+# Experts as most of a token's bytes, as in Mixtral (8 experts, top-2, I = 3.5 H): 22 MiB
+# experts, ~350 of a token's ~460 MB in bf16 (the bench preset's experts are under half of
+# its, which bounds what quantized experts can gain there: mox.bench.micro.quantized).
+EXPERTS_SIZE = Size(1024, 8, 16, 4, 64, experts=8, top_k=2, moe_intermediate=3584,
+                    vocab=32000)
 
 
 def demo_name(arch: str, preset: str = "demo", routing_skew: float = 0.0,
@@ -92,7 +97,8 @@ def demo_name(arch: str, preset: str = "demo", routing_skew: float = 0.0,
 def preset_size(arch: str, preset: str) -> Size:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
-    return {"demo": DEMO_SIZES[arch], "mid": MID_SIZE, "bench": BENCH_SIZE}[preset]
+    return {"demo": DEMO_SIZES[arch], "mid": MID_SIZE, "bench": BENCH_SIZE,
+            "experts": EXPERTS_SIZE}[preset]
 
 
 def hf_config(arch: str, size: Size, vocab: int) -> dict:

@@ -1,6 +1,7 @@
 """Quantized experts against bf16 experts on the bench olmoe (8 layers x 64 experts of 3 MiB
-in bf16, top-4), each format imported as `mox models import --quantize` writes it (quantized,
-then repacked expert-major):
+in bf16, top-4; experts are under half of a token's bytes there), or with `--preset experts`
+Mixtral's proportions (8 layers x 8 experts of 22 MiB, top-2: three quarters), each format
+imported as `mox models import --quantize` writes it (quantized, then repacked expert-major):
 
   bytes      one expert as stored (weights + scales), and the share of bf16's
   decode     tok/s at 1 and 8 sequences (the prefill timed apart and subtracted), every
@@ -14,6 +15,7 @@ then repacked expert-major):
              largest logit difference over those positions
 
     .venv/bin/python -m mox.bench.micro.quantized [--home DIR] [--repeats 2] [--out FILE]
+        [--preset bench|experts]
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def agreement(home: str) -> list[dict]:
     return rows
 
 
-def measure(home: str, repeats: int) -> dict:
-    source = next(iter(ensure_demo_models(home, "bench", 0.0, ("olmoe",)).values()))
+def measure(home: str, repeats: int, preset: str) -> dict:
+    source = next(iter(ensure_demo_models(home, preset, 0.0, ("olmoe",)).values()))
     paths = {BF16: source,
              **{kind: ensure_quantized(home, source, kind) for kind in IMPORT_FORMATS}}
     sizes = {kind: Checkpoint(p).expert_nbytes for kind, p in paths.items()}
@@ -114,7 +116,7 @@ def measure(home: str, repeats: int) -> dict:
             for n in COLD_LENGTHS:
                 cold[kind][n].append(cold_ttft(path, prompts[0][:n]))
         print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
-    return {"sizes": sizes, "decode": decode, "cold": cold, "loads": loads,
+    return {"preset": preset, "sizes": sizes, "decode": decode, "cold": cold, "loads": loads,
             "agreement": agreement(home)}
 
 
@@ -123,7 +125,8 @@ def _runs(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
 
 
 def markdown(r: dict, argv: list[str]) -> str:
-    lines = [f"# Quantized experts vs bf16 (bench olmoe)\n\n`python -m mox.bench.micro.quantized "
+    lines = [f"# Quantized experts vs bf16 ({r['preset']} olmoe)\n\n"
+             f"`python -m mox.bench.micro.quantized "
              f"{' '.join(argv)}`, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, "
              f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; before each "
              f"repeat: {'; '.join(r['loads'])}. Each figure: the runs in order.\n",
@@ -161,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--home", default=default_home())
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--preset", choices=("bench", "experts"), default="bench")
     args = parser.parse_args(argv)
-    result = measure(args.home, args.repeats)
+    result = measure(args.home, args.repeats, args.preset)
     Path(args.out).write_text(markdown(result, argv))
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
     print(Path(args.out).read_text())

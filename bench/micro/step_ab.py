@@ -94,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
 
     rev, uptime = git_out("rev-parse", "--short", args.base), subprocess.run(
         ["uptime"], capture_output=True, text=True).stdout.strip()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     command = " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# Decode steps A/B: the working tree against {rev}", "",
              f"- command: .venv/bin/python -m mox.bench.micro.step_ab {command}",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"- date: {date}",
              f"- uptime: {uptime}", f"- machine: {describe()}",
              f"- tree: {git_out('rev-parse', '--short', 'HEAD')} and its uncommitted changes",
              f"- decode tokens per pass: {args.tokens}", "",
