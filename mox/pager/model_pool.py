@@ -30,7 +30,6 @@ from mox.pager.eviction import ExpertKey
 from mox.pager.expert_table import ExpertMap, ExpertTable
 from mox.pager.paging import PagedPool
 from mox.pager.pending import ReadsPending
-from mox.pager.slot_pool import Slot
 from mox.pager.stats import PAGE_IN_BUCKETS
 
 # Prefetch on a rising rate only experts clearly above uniform use: under near-uniform
@@ -245,16 +244,11 @@ class ModelPool(PagedPool):
         for moe_layer, expert in used:                # (nonzero(): in order, sorted)
             steps.setdefault(moe_layer, []).append(expert)
         self._record_access(list(steps.items()))
-        now, pool, stats = self.clock(), self.slot_pool, self.counters
+        pool, stats = self.slot_pool, self.counters
         loads = []                      # (started after every hit is counted: they may evict)
         for moe_layer, experts in steps.items():
             mapped = [e for e in experts if table.is_mapped(moe_layer, e)]
-            for expert in experts:
-                if expert not in mapped:
-                    key = (moe_layer, expert)
-                    index = pool.lookup(key)
-                    assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
-                    self._count_hit(key, pool.slots[index], now)
+            self._count_hits([(moe_layer, e) for e in experts if e not in mapped])
             stats.misses += len(mapped)
             stats.mapped_reads += len(mapped)
             loads.append((moe_layer, [e for e in mapped if pool.lookup((moe_layer, e))
@@ -385,9 +379,15 @@ class ModelPool(PagedPool):
         """Layer steps, in order, computed these experts (each distinct, sorted, all
         resident) in their slots."""
         self._record_access(steps)
+        self._count_hits([(moe_layer, expert) for moe_layer, wanted in steps
+                          for expert in wanted])
+        self.counters.waves += len(steps)
+
+    def _count_hits(self, keys: list[ExpertKey]) -> None:
+        """These resident experts were computed from their slots: hits, in the policy at
+        once (a decode step's few dozen)."""
         pool, stats = self.slot_pool, self.counters
-        keys = [(moe_layer, expert) for moe_layer, wanted in steps for expert in wanted]
-        for key in keys:                  # _count_hit's counts, for the step's keys at once
+        for key in keys:
             index = pool.lookup(key)
             assert index != NOT_RESIDENT, f"{key} was computed but is not resident"
             slot = pool.slots[index]
@@ -395,17 +395,10 @@ class ModelPool(PagedPool):
             slot.prefetched = False
         stats.hits += len(keys)
         self.policy.on_access_many(keys, self.clock())
-        stats.waves += len(steps)
-
-    def _count_hit(self, key: ExpertKey, slot: Slot, now: float) -> None:
-        self.counters.hits += 1
-        self.counters.prefetch_hits += slot.prefetched
-        slot.prefetched = False
-        self.policy.on_access(key, now)
 
     def _classify(self, moe_layer: int, wanted: list[int], count: bool = True):
         """Split into resident (pinned now), already loading, and missing experts."""
-        now, pool, stats = self.clock(), self.slot_pool, self.counters
+        pool, stats = self.slot_pool, self.counters
         ready, pending, missing = [], [], []
         for expert in wanted:
             key = (moe_layer, expert)
@@ -413,13 +406,13 @@ class ModelPool(PagedPool):
             if index != NOT_RESIDENT:
                 if count:
                     pool.slots[index].pins += 1
-                    self._count_hit(key, pool.slots[index], now)
                 ready.append(expert)
             elif key in self._inflight:
                 pending.append(expert)
             else:
                 missing.append(expert)
         if count:
+            self._count_hits([(moe_layer, expert) for expert in ready])
             stats.misses += len(pending) + len(missing)
         return ready, pending, missing
 
