@@ -54,6 +54,7 @@ ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
 GEMV_MAX_ROWS = 1024    # bf16_gemv.c's MAX_GEMV_ROWS
 MAX_ROWS = {"avx512bf16": 8, "avx2": GEMV_MAX_ROWS}
 MAX_ROWS_PER_EXPERT = {"avx512bf16": 16, "avx2": 1 << 30}
+OUT_F32, OUT_BF16 = 0, 1       # mox_gemv_bf16's outputs (csrc/exported.h)
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -147,7 +148,7 @@ class NativeKernels:
         out = torch.empty(num_rows, n, dtype=out_dtype)
         status = self._gemv(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0),
                             out.data_ptr(), out.stride(0), num_rows, n, k,
-                            int(out_dtype == torch.bfloat16), int(fast))
+                            OUT_BF16 if out_dtype == torch.bfloat16 else OUT_F32, int(fast))
         if status == -2:
             raise MemoryError("gemv_bf16 could not widen its rows")
         if status != 0:
@@ -286,6 +287,9 @@ class NativeKernels:
             logits.data_ptr() if logits is not None else None)
         if done == -2:
             raise MemoryError("decode_layers could not allocate its intermediates")
+        if done == -3:
+            raise RuntimeError(f"decode_layers ran every layer, but its tail (the final norm "
+                               f"and lm_head at T={num_tokens}) was refused or out of memory")
         if done < 0:
             raise ValueError(f"decode_layers refused T={num_tokens} from layer {first} (a "
                              f"slot outside the store, a key run outside the keys, or a "

@@ -6,7 +6,8 @@ one run to the next (30-50% in read rate), so only alternated passes measure a c
 
 Each pass is a fresh process that decodes `--tokens` tokens greedily for `--seqs` sequences
 of 16-token prompts (after a warm-up), timing the steps and the time inside the native
-library's calls (`decode_layers`, `gemv`), through the public API both trees share.
+library's calls (`decode_layers`, `gemv`, `rms_norm`, `route`), through the public API both
+trees share.
 Figures per pass: ms a step, ms in native calls, and the rest ("outside"); then the medians
 and new / base.
 
@@ -54,7 +55,7 @@ def timed(call):
         finally:
             inside[0] += time.perf_counter() - start
     return wrapper
-for name in ("_decode_layers", "_gemv"):
+for name in ("_decode_layers", "_gemv", "_norm", "_route"):
     setattr(kernels, name, timed(getattr(kernels, name)))
 rng = random.Random(0)
 prompts = [[rng.randrange(1, 30000) for _ in range(16)] for _ in range(seqs)]

@@ -42,9 +42,9 @@ typedef struct {
  * to bf16 as the per-layer path's bf16 linear rounds them (h holds the normed rows). Returns
  * num_layers when every layer ran, or the index of the layer that found an expert missing,
  * with x its stream after attention (the MoE half's residual) and h [T, H] its normed rows;
- * -1 for arguments refused, -2 out of memory. After an error at a layer past `first`, the
- * layers before it have run (their keys and values stored, x their output): the step is
- * lost. */
+ * -1 for arguments refused, -2 out of memory, -3 the tail refused or out of memory (every
+ * layer has run). After an error at a layer past `first`, the layers before it have run
+ * (their keys and values stored, x their output): the step is lost. */
 int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_t num_layers,
                                uint16_t *x, uint16_t *h, int64_t T, const float *cos,
                                const float *sin, int64_t ldc, int64_t store_rows,
@@ -80,7 +80,7 @@ int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_
             status = mox_gemv_bf16(h, H, tail->lm_head, H, logits, tail->vocab, T,
                                    tail->vocab, H, OUT_BF16_AS_F32, 1);
         if (status != 0)
-            return status;
+            return -3;
     }
     return num_layers;
 }

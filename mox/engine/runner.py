@@ -50,6 +50,9 @@ class ModelRunner:
         counts = [item.num_new_tokens for item in items]
         ends = [start + count for start, count in zip(starts, counts)]
         tables = [item.seq.block_table for item in items]
+        # (else a sequence's keys would run into the next one's blocks)
+        assert all(len(table) * bs >= end for table, end in zip(tables, ends)), \
+            "a sequence's block table is shorter than its tokens"
         blocks = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
         ids = list(itertools.chain.from_iterable(
             item.seq.token_ids(start, end) for item, start, end in zip(items, starts, ends)))

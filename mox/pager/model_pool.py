@@ -244,11 +244,11 @@ class ModelPool(PagedPool):
         for moe_layer, expert in used:                # (nonzero(): in order, sorted)
             steps.setdefault(moe_layer, []).append(expert)
         self._record_access(list(steps.items()))
-        pool, stats = self.slot_pool, self.counters
+        now, pool, stats = self.clock(), self.slot_pool, self.counters
         loads = []                      # (started after every hit is counted: they may evict)
         for moe_layer, experts in steps.items():
             mapped = [e for e in experts if table.is_mapped(moe_layer, e)]
-            self._count_hits([(moe_layer, e) for e in experts if e not in mapped])
+            self._count_hits([(moe_layer, e) for e in experts if e not in mapped], now)
             stats.misses += len(mapped)
             stats.mapped_reads += len(mapped)
             loads.append((moe_layer, [e for e in mapped if pool.lookup((moe_layer, e))
@@ -380,12 +380,12 @@ class ModelPool(PagedPool):
         resident) in their slots."""
         self._record_access(steps)
         self._count_hits([(moe_layer, expert) for moe_layer, wanted in steps
-                          for expert in wanted])
+                          for expert in wanted], self.clock())
         self.counters.waves += len(steps)
 
-    def _count_hits(self, keys: list[ExpertKey]) -> None:
-        """These resident experts were computed from their slots: hits, in the policy at
-        once (a decode step's few dozen)."""
+    def _count_hits(self, keys: list[ExpertKey], now: float) -> None:
+        """These resident experts were computed from their slots at `now`: hits, in the
+        policy at once (a decode step's few dozen)."""
         pool, stats = self.slot_pool, self.counters
         for key in keys:
             index = pool.lookup(key)
@@ -394,11 +394,11 @@ class ModelPool(PagedPool):
             stats.prefetch_hits += slot.prefetched
             slot.prefetched = False
         stats.hits += len(keys)
-        self.policy.on_access_many(keys, self.clock())
+        self.policy.on_access_many(keys, now)
 
     def _classify(self, moe_layer: int, wanted: list[int], count: bool = True):
         """Split into resident (pinned now), already loading, and missing experts."""
-        pool, stats = self.slot_pool, self.counters
+        now, pool, stats = self.clock(), self.slot_pool, self.counters
         ready, pending, missing = [], [], []
         for expert in wanted:
             key = (moe_layer, expert)
@@ -412,7 +412,7 @@ class ModelPool(PagedPool):
             else:
                 missing.append(expert)
         if count:
-            self._count_hits([(moe_layer, expert) for expert in ready])
+            self._count_hits([(moe_layer, expert) for expert in ready], now)
             stats.misses += len(pending) + len(missing)
         return ready, pending, missing
 

@@ -31,10 +31,11 @@ from mox.pager.slot_pool import SlotPool
 from mox.pager.stats import PagerStats
 from mox.pager.usage import ExpertUsage, MissRatioCurve
 
-# Layer steps' usage and miss-curve records wait, with their times, until this many model
-# steps have gathered or someone reads the statistics: applied in turn they give the same
-# figures, and a batch-1 CPU decode step paid ~0.3 ms for its one record, the numpy code
-# evicted from the caches by the step's weight reads; in bulk, the later records run warm.
+# Usage and miss-curve records (a hold's model step, or one layer's wave) wait, with their
+# times, until this many have gathered or someone reads the statistics: applied in turn they
+# give the same figures, and a batch-1 CPU decode step paid ~0.3 ms for its one record, the
+# numpy code evicted from the caches by the step's weight reads; in bulk, the later records
+# run warm.
 UNRECORDED_STEPS = 8
 
 
