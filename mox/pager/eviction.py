@@ -97,10 +97,10 @@ class RatePolicy(EvictionPolicy):
         return 0.0 if shifted is None else math.exp(shifted - self._growth(now))
 
     def on_access(self, key: ExpertKey, now: float) -> None:
-        self.log_freq[key] = math.log(self.frequency(key, now) + 1.0) + self._growth(now)
+        self.on_access_many((key,), now)
 
     def on_access_many(self, keys: Iterable[ExpertKey], now: float) -> None:
-        # on_access's arithmetic with the growth computed once: a decode step's few dozen
+        # log(frequency + 1) + growth, the growth computed once: a decode step's few dozen
         # hits are counted on the step's critical path
         growth, log_freq, exp, log = self._growth(now), self.log_freq, math.exp, math.log
         for key in keys:
