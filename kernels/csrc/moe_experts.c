@@ -59,6 +59,23 @@ static inline float activate(const gating_t *g, float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
 }
 
+/* one integer weight row (int8, int4, MXFP4) against m <= MAX_ROWS quantized x rows from
+ * `first`: the VNNI loops where the CPU has VNNI, else AVX2's (`fast`), else plain C */
+static inline void integer_row(const qrows_t *qx, int64_t first, int m, const uint8_t *row,
+                               const pool_t *p, const float *wscale, float *out, int64_t ldy,
+                               int vnni, int fast) {
+    if (vnni && p->group == 32)                         /* MXFP4, int4 in groups of 32 */
+        row_g32_vnni(qx, first, m, row, p->kind, wscale, out, ldy);
+    else if (vnni)
+        row_q_vnni(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
+    else if (fast && p->group == 32)
+        row_g32_avx2(qx, first, m, row, p->kind, wscale, out, ldy);
+    else if (fast)
+        row_q_avx2(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
+    else
+        row_q_plain(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
+}
+
 /* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools (AVX2:
  * pool_rows_block's tiles), the quantized `qx` for quantized ones; `isa`: the path (any but
  * ISA_PLAIN: the quantized pools' VNNI loops where the CPU has VNNI, else their AVX2 ones) */
@@ -92,16 +109,7 @@ static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, i
     }
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        if (vnni && p.group == 32)                      /* MXFP4, int4 in groups of 32 */
-            row_g32_vnni(qx, first + c, m, row, p.kind, wscale, out + c * ldy, ldy);
-        else if (vnni)
-            row_q_vnni(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
-        else if (fast && p.group == 32)
-            row_g32_avx2(qx, first + c, m, row, p.kind, wscale, out + c * ldy, ldy);
-        else if (fast)
-            row_q_avx2(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
-        else
-            row_q_plain(qx, first + c, m, row, p.kind, wscale, p.group, out + c * ldy, ldy);
+        integer_row(qx, first + c, m, row, &p, wscale, out + c * ldy, ldy, vnni, fast);
     }
 }
 
@@ -114,6 +122,20 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
     if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX2) {
         tiles_avx2(xf + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
                    n1 - n0, out, ldy, K);
+        return;
+    }
+    if ((p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_INT4 || p.kind == WEIGHTS_MXFP4)
+        && p.block_rows == 1 && count <= MAX_ROWS) {
+        /* a decode's few rows over per-row scales: each row's pointers stepped, not
+         * recomputed (int4 rows of 1,024 values are ~150 cycles of work) */
+        int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;
+        int64_t per_row = p.group ? K / p.group : 1;
+        const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n0 * row_bytes;
+        const float *wscale = row_scales(p, s, n0, K);
+        int fast = isa != ISA_PLAIN;
+        for (int64_t n = n0; n < n1; n++, row += row_bytes, wscale += per_row)
+            integer_row(qx, first, (int)count, row, &p, wscale, out + (n - n0), ldy,
+                        fast && has_vnni, fast);
         return;
     }
     for (int64_t n = n0; n < n1; n++)
