@@ -1,0 +1,61 @@
+"""GB/s that one native MoE-kernel call reads from one expert, per weight format, at a given
+expert shape, row count and thread count: calls cycle over more experts than the last-level
+cache holds, so every call reads its expert from memory. Each pass times every format in
+turn (the same moment for all), and prints each pass's figure.
+
+    .venv/bin/python -m mox.bench.micro.expert_rate [--hidden 1024] [--inter 3584]
+        [--rows 1] [--threads 2] [--passes 5]
+
+(`--inter 3584`: the experts preset's experts, 22 MiB in bf16; the bench preset's are 512.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from mox.bench.micro.quant_kernels import quantized_pool
+from mox.kernels import native
+from mox.kernels.quant import INT4_GROUP128, INT8_PER_CHANNEL
+
+POOL_BYTES = 512 << 20          # bf16 experts in the pool: well past the L3
+CALLS = 48
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=3584)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--passes", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    hidden, inter = args.hidden, args.inter
+    experts = max(4, POOL_BYTES // (6 * hidden * inter))
+    w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
+    pools = {"bf16": (w13, w2, None), "int8": quantized_pool(w13, w2, INT8_PER_CHANNEL),
+             "int4": quantized_pool(w13, w2, INT4_GROUP128)}
+    x = torch.randn(args.rows, hidden).bfloat16()
+    scratch = [torch.empty(args.rows, 2 * inter), torch.empty(args.rows, inter,
+               dtype=torch.bfloat16), torch.empty(args.rows, hidden)]
+    rates: dict[str, list[float]] = {name: [] for name in pools}
+    for _ in range(args.passes):
+        for name, (a, b, scales) in pools.items():
+            nbytes = a[0].numel() * a.element_size() + b[0].numel() * b.element_size()
+            start = time.perf_counter()
+            for call in range(CALLS):
+                native.kernels().moe_experts(x, a, b, [((call * 7) % experts, args.rows)],
+                                             torch.ones(args.rows), scratch, scales=scales)
+            rates[name].append(nbytes * CALLS / (time.perf_counter() - start) / 1e9)
+    print(f"H {hidden}, I {inter}, {args.rows} rows, {args.threads} threads, {experts} experts")
+    for name, values in rates.items():
+        print(f"{name}: GB/s " + " / ".join(f"{v:.1f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
