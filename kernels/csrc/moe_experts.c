@@ -124,20 +124,6 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
                    n1 - n0, out, ldy, K);
         return;
     }
-    if ((p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_INT4 || p.kind == WEIGHTS_MXFP4)
-        && p.block_rows == 1 && count <= MAX_ROWS) {
-        /* a decode's few rows over per-row scales: each row's pointers stepped, not
-         * recomputed (int4 rows of 1,024 values are ~150 cycles of work) */
-        int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2;
-        int64_t per_row = p.group ? K / p.group : 1;
-        const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n0 * row_bytes;
-        const float *wscale = row_scales(p, s, n0, K);
-        int fast = isa != ISA_PLAIN;
-        for (int64_t n = n0; n < n1; n++, row += row_bytes, wscale += per_row)
-            integer_row(qx, first, (int)count, row, &p, wscale, out + (n - n0), ldy,
-                        fast && has_vnni, fast);
-        return;
-    }
     for (int64_t n = n0; n < n1; n++)
         pool_rows_dot(x, qx, first, count, p, s, n, out + (n - n0), ldy, K, isa);
 }

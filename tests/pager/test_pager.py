@@ -202,7 +202,9 @@ def test_policies_choose_their_victims():
 
 def test_a_steps_hits_at_once_score_as_they_would_one_by_one():
     """on_access_many (a decode step's hits) leaves every policy as on_access in turn does,
-    bit for bit, new keys and known ones alike."""
+    bit for bit, new keys and known ones alike. (The rate policy's on_access is its
+    on_access_many of one key; its arithmetic is checked against the decayed frequency in
+    test_policies_choose_their_victims.)"""
     steps = [[(0, 1), (0, 2)], [(0, 1), (1, 5), (0, 3)], [(1, 5)], [(0, 2), (0, 9)]]
     for make in (LRUPolicy, LFUPolicy, lambda: RatePolicy(half_life_s=10.0)):
         at_once, in_turn = make(), make()
