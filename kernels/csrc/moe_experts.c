@@ -59,63 +59,58 @@ static inline float activate(const gating_t *g, float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
 }
 
-/* one integer weight row (int8, int4, MXFP4) against m <= MAX_ROWS quantized x rows from
- * `first`: the VNNI loops where the CPU has VNNI, else AVX2's (`fast`), else plain C */
-static inline void integer_row(const qrows_t *qx, int64_t first, int m, const uint8_t *row,
-                               const pool_t *p, const float *wscale, float *out, int64_t ldy,
-                               int vnni, int fast) {
-    if (vnni && p->group == 32)                         /* MXFP4, int4 in groups of 32 */
-        row_g32_vnni(qx, first, m, row, p->kind, wscale, out, ldy);
-    else if (vnni)
-        row_q_vnni(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
-    else if (fast && p->group == 32)
-        row_g32_avx2(qx, first, m, row, p->kind, wscale, out, ldy);
-    else if (fast)
-        row_q_avx2(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
-    else
-        row_q_plain(qx, first, m, row, p->kind, wscale, p->group, out, ldy);
+/* integer weight rows [n0, n1) of slot s (int8, int4, MXFP4: per-row scales) against
+ * `count` quantized x rows from `first`, MAX_ROWS at a time: the VNNI loops where the CPU
+ * has VNNI, else AVX2's (`fast`), else plain C */
+static void integer_rows(const qrows_t *qx, int64_t first, int64_t count, pool_t p, int64_t s,
+                         int64_t n0, int64_t n1, float *out, int64_t ldy, int64_t K,
+                         int fast) {
+    int64_t row_bytes = p.kind == WEIGHTS_INT8 ? K : K / 2, per_row = p.group ? K / p.group : 1;
+    const uint8_t *w = (const uint8_t *)p.w + s * p.stride + n0 * row_bytes;
+    const float *wscale = row_scales(p, s, n0, K);
+    for (int64_t c = 0; c < count; c += MAX_ROWS) {
+        int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
+        float *o = out + c * ldy;
+        if (fast && has_vnni)
+            rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
+                      p.group, o, ldy);
+        else if (fast)
+            rows_avx2(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
+                      p.group, o, ldy);
+        else
+            for (int64_t n = 0; n < n1 - n0; n++)
+                row_q_plain(qx, first + c, m, w + n * row_bytes, p.kind, wscale + n * per_row,
+                            p.group, o + n, ldy);
+    }
 }
 
-/* row n of slot s against `count` x rows from row `first`: bf16 `x` for bf16 pools (AVX2:
- * pool_rows_block's tiles), the quantized `qx` for quantized ones; `isa`: the path (any but
- * ISA_PLAIN: the quantized pools' VNNI loops where the CPU has VNNI, else their AVX2 ones) */
-static void pool_rows_dot(const uint16_t *x, const qrows_t *qx, int64_t first, int64_t count,
-                          pool_t p, int64_t s, int64_t n, float *out, int64_t ldy, int64_t K,
-                          int isa) {
+/* row n of slot s, a bf16 or FP8 pool (integer pools: integer_rows), against `count` bf16
+ * x rows from row `first` (AVX2's bf16: pool_rows_block's tiles); `isa`: the path */
+static void pool_rows_dot(const uint16_t *x, int64_t first, int64_t count, pool_t p,
+                          int64_t s, int64_t n, float *out, int64_t ldy, int64_t K, int isa) {
     if (p.kind == WEIGHTS_BF16) {
         rows_dot(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n * K, out,
                  ldy, K, isa);
         return;
     }
-    int fast = isa != ISA_PLAIN, vnni = fast && has_vnni;
-    int64_t row_bytes = p.kind == WEIGHTS_INT8 || p.kind == WEIGHTS_FP8 ? K : K / 2;
-    const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * row_bytes;
+    const uint8_t *row = (const uint8_t *)p.w + s * p.stride + n * K;      /* FP8 */
     const float *wscale = row_scales(p, s, n, K);
-    if (p.kind == WEIGHTS_FP8) {          /* bf16 activations, MAX_ROWS at a time */
-        for (int64_t c = 0; c < count; c += MAX_ROWS) {
-            int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-            const uint16_t *xc = x + (first + c) * K;
-            if (isa == ISA_AVX512BF16)
-                row_fp8_avx512(xc, K, m, row, wscale, p.group ? p.group : K, K,
-                               out + c * ldy, ldy);
-            else if (isa == ISA_AVX2)
-                row_fp8_avx2(xc, K, m, row, wscale, p.group ? p.group : K, K,
-                             out + c * ldy, ldy);
-            else
-                row_fp8_plain(xc, K, m, row, wscale, p.group ? p.group : K, K,
-                              out + c * ldy, ldy);
-        }
-        return;
-    }
-    for (int64_t c = 0; c < count; c += MAX_ROWS) {
+    for (int64_t c = 0; c < count; c += MAX_ROWS) {     /* bf16 activations */
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
-        integer_row(qx, first + c, m, row, &p, wscale, out + c * ldy, ldy, vnni, fast);
+        const uint16_t *xc = x + (first + c) * K;
+        if (isa == ISA_AVX512BF16)
+            row_fp8_avx512(xc, K, m, row, wscale, p.group ? p.group : K, K, out + c * ldy, ldy);
+        else if (isa == ISA_AVX2)
+            row_fp8_avx2(xc, K, m, row, wscale, p.group ? p.group : K, K, out + c * ldy, ldy);
+        else
+            row_fp8_plain(xc, K, m, row, wscale, p.group ? p.group : K, K, out + c * ldy, ldy);
     }
 }
 
-/* pool_rows_dot for weight rows [n0, n1) of slot s, their sums at out[0 .. n1 - n0) of each
- * x row (row stride ldy): bf16 pools on AVX2 as tiles of three weight rows against up to
- * three x rows (tiles_avx2), the rest row by row */
+/* weight rows [n0, n1) of slot s against `count` x rows from `first`, their sums at
+ * out[0 .. n1 - n0) of each x row (row stride ldy): bf16 pools on AVX2 as tiles of three
+ * weight rows against up to three x rows (tiles_avx2), integer pools against the quantized
+ * `qx` (integer_rows), the rest row by row (pool_rows_dot) */
 static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *qx,
                             int64_t first, int64_t count, pool_t p, int64_t s, int64_t n0,
                             int64_t n1, float *out, int64_t ldy, int64_t K, int isa) {
@@ -124,8 +119,12 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
                    n1 - n0, out, ldy, K);
         return;
     }
+    if (p.kind != WEIGHTS_BF16 && p.kind != WEIGHTS_FP8) {
+        integer_rows(qx, first, count, p, s, n0, n1, out, ldy, K, isa != ISA_PLAIN);
+        return;
+    }
     for (int64_t n = n0; n < n1; n++)
-        pool_rows_dot(x, qx, first, count, p, s, n, out + (n - n0), ldy, K, isa);
+        pool_rows_dot(x, first, count, p, s, n, out + (n - n0), ldy, K, isa);
 }
 
 /* act [p, i0:i1] = act(gate_up[p, i] + gate bias, gate_up[p, I + i] + up bias), rounded to

@@ -20,6 +20,7 @@
 #include "rows.h"
 
 #define QBLOCK 64              /* activation values sharing one scale */
+#define PREFETCH_AHEAD_QUANT 1024 /* AVX2 row loops: prefetch 1 KiB ahead (see QUANT_ROWS) */
 
 enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_MXFP4, WEIGHTS_FP8 };
 
@@ -146,7 +147,13 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
  * Each is compiled once per number of x rows up to 4 (ROWS_CONSTANT): with M known, the
  * accumulators stay in registers. With M a variable up to MAX_ROWS they lived on the stack:
  * on one AVX2 core (AMD EPYC) an int4 row in groups of 128 read 2.0-2.2 GB/s at M = 1 and
- * 9.3-10.8 compiled for it; MXFP4's 4.5-4.8 and 9.9-10.5; at M = 3, 2.3-2.7 and 4.0-4.2. */
+ * 9.3-10.8 compiled for it; MXFP4's 4.5-4.8 and 9.9-10.5; at M = 3, 2.3-2.7 and 4.0-4.2.
+ * The weight kind is a constant too (rows_*: the branches on it left the inner loop), and
+ * the AVX2 loops prefetch `prefetch` bytes of the row ahead, as the bf16 one-row tile does:
+ * together 1.3x the int8 and int4 rates of a MoE call with one or two threads (1.1-1.3x
+ * from the constant kind and the loop over rows inside, the rest from the prefetch; 512 B
+ * ahead read less, 2 KiB the same; bench/micro/expert_rate.py --base). The VNNI loops take
+ * no prefetch: not measured on a CPU with VNNI. */
 #define ROWS_CONSTANT(M, body, x, m0, ...)                                                   \
     switch (M) {                                                                             \
     case 1: body(x, m0, 1, __VA_ARGS__); break;                                              \
@@ -155,7 +162,8 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
     case 4: body(x, m0, 4, __VA_ARGS__); break;                                              \
     default: body(x, m0, M, __VA_ARGS__);                                                    \
     }
-#define QUANT_ROWS(isa, attributes, vec, wvec, zero, cvt, fma, mul, set1, reduce, int8_offset) \
+#define QUANT_ROWS(isa, attributes, vec, wvec, zero, cvt, fma, mul, set1, reduce, int8_offset, \
+                   prefetch)                                                                 \
     attributes static inline __attribute__((always_inline)) void row_g32_##isa##_m(        \
             const qrows_t *x, int64_t m0, const int M, const uint8_t *row, int kind,        \
             const float *wscale, float *out, int64_t ldy) {                                 \
@@ -166,6 +174,8 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
         vec acc[MAX_ROWS];                                                                   \
         for (int m = 0; m < M; m++) acc[m] = zero();                                         \
         for (int64_t k = 0; k < K; k += QBLOCK) {                                            \
+            if (prefetch)                                                                    \
+                _mm_prefetch((const char *)(row + k / 2 + prefetch), _MM_HINT_T0);          \
             wvec w = weight_bytes##_##isa(row, k, kind);                                     \
             float s0 = wscale[k / 32], s1 = wscale[k / 32 + 1];                              \
             vec scales = group_scales_##isa(s0, s1);                                         \
@@ -183,6 +193,7 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
             const qrows_t *x, int64_t m0, const int M, const uint8_t *row, int kind,        \
             const float *wscale, int64_t group, float *out, int64_t ldy) {                  \
         int64_t K = x->K, nb = K / QBLOCK, span = group ? group : K;                         \
+        int64_t block_bytes = kind == WEIGHTS_INT8 ? QBLOCK : QBLOCK / 2;                    \
         float offset = kind == WEIGHTS_INT8 ? int8_offset : 8.0f, corr[MAX_ROWS] = {0};      \
         vec total[MAX_ROWS];                                                                 \
         for (int m = 0; m < M; m++) total[m] = zero();                                       \
@@ -191,12 +202,16 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
             float block_sums[MAX_ROWS] = {0}, ws = wscale[g0 / span];                        \
             for (int m = 0; m < M; m++) acc[m] = zero();                                     \
             for (int64_t k = g0; k < g0 + span; k += QBLOCK) {                               \
+                if (prefetch)                                                                \
+                    _mm_prefetch((const char *)(row + k / QBLOCK * block_bytes + prefetch),  \
+                                 _MM_HINT_T0);                                               \
                 wvec w = weight_bytes##_##isa(row, k, kind);                                 \
                 for (int m = 0; m < M; m++) {                                                \
                     int64_t b = (m0 + m) * nb + k / QBLOCK;                                  \
                     vec d = cvt(block_dot_##isa(w, x->q + b * QBLOCK, kind));                \
                     acc[m] = fma(d, set1(x->scale[b]), acc[m]);                              \
-                    block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];                  \
+                    if (offset != 0.0f)                                                      \
+                        block_sums[m] += x->sum32[2 * b] + x->sum32[2 * b + 1];              \
                 }                                                                            \
             }                                                                                \
             for (int m = 0; m < M; m++) {                                                    \
@@ -207,22 +222,43 @@ static inline __m256 group_scales_avx2(float s0, float s1) {
         for (int m = 0; m < M; m++)                                                          \
             out[m * ldy] = reduce(total[m]) - offset * corr[m];                              \
     }                                                                                        \
-    attributes static void row_g32_##isa(const qrows_t *x, int64_t m0, int M,                \
-                                         const uint8_t *row, int kind, const float *wscale,  \
-                                         float *out, int64_t ldy) {                          \
-        ROWS_CONSTANT(M, row_g32_##isa##_m, x, m0, row, kind, wscale, out, ldy);             \
+    /* weight rows [0, N) (row_bytes apart, scales per_row apart): each kind and row count  \
+     * compiled apart, the loop over rows inside, so a row costs no dispatch (int4's 512-byte \
+     * rows of 1,024 values took two calls and two switches each) */                         \
+    attributes static inline __attribute__((always_inline)) void rows_##isa##_m(          \
+            const qrows_t *x, int64_t m0, const int M, const uint8_t *w, int64_t row_bytes, \
+            int64_t N, const int kind, const float *wscale, int64_t per_row, int64_t group, \
+            float *out, int64_t ldy) {                                                      \
+        if (kind != WEIGHTS_INT8 && (kind == WEIGHTS_MXFP4 || group == 32))                  \
+            for (int64_t n = 0; n < N; n++)                                                  \
+                row_g32_##isa##_m(x, m0, M, w + n * row_bytes, kind, wscale + n * per_row,  \
+                                  out + n, ldy);                                             \
+        else                                                                                 \
+            for (int64_t n = 0; n < N; n++)                                                  \
+                row_q_##isa##_m(x, m0, M, w + n * row_bytes, kind, wscale + n * per_row,    \
+                                group, out + n, ldy);                                        \
     }                                                                                        \
-    attributes static void row_q_##isa(const qrows_t *x, int64_t m0, int M,                  \
-                                       const uint8_t *row, int kind, const float *wscale,    \
-                                       int64_t group, float *out, int64_t ldy) {             \
-        ROWS_CONSTANT(M, row_q_##isa##_m, x, m0, row, kind, wscale, group, out, ldy);        \
+    attributes static void rows_##isa(const qrows_t *x, int64_t m0, int M, const uint8_t *w, \
+                                      int64_t row_bytes, int64_t N, int kind,                \
+                                      const float *wscale, int64_t per_row, int64_t group,   \
+                                      float *out, int64_t ldy) {                             \
+        if (kind == WEIGHTS_INT8)                                                            \
+            ROWS_CONSTANT(M, rows_##isa##_m, x, m0, w, row_bytes, N, WEIGHTS_INT8, wscale,   \
+                          per_row, group, out, ldy)                                          \
+        else if (kind == WEIGHTS_MXFP4)                                                      \
+            ROWS_CONSTANT(M, rows_##isa##_m, x, m0, w, row_bytes, N, WEIGHTS_MXFP4, wscale,  \
+                          per_row, group, out, ldy)                                          \
+        else                                                                                 \
+            ROWS_CONSTANT(M, rows_##isa##_m, x, m0, w, row_bytes, N, WEIGHTS_INT4, wscale,   \
+                          per_row, group, out, ldy)                                          \
     }
 
 QUANT_ROWS(vnni, __attribute__((target("avx512f,avx512bw,avx512vnni"))), __m512, __m512i,
            _mm512_setzero_ps, _mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps,
-           _mm512_set1_ps, _mm512_reduce_add_ps, 128.0f)
+           _mm512_set1_ps, _mm512_reduce_add_ps, 128.0f, 0)
 QUANT_ROWS(avx2, __attribute__((target("avx2,fma"))), __m256, bytes_avx2_t, _mm256_setzero_ps,
-           _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_ps, sum8, 0.0f)
+           _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_ps, sum8, 0.0f,
+           PREFETCH_AHEAD_QUANT)
 
 /* the stored weight at lane i of block b (packed: deinterleaved as the activations), as an
  * integer: int8 and int4 values, MXFP4's 2v */
