@@ -8,7 +8,10 @@ imported as `mox models import --quantize` writes it (quantized, then repacked e
              expert resident, bf16 activations; variants
              alternate within each repeat, so the ratios to bf16 come from one run
   cold TTFT  8- and 32-token prompts with the checkpoint evicted from the page cache
-             (posix_fadvise DONTNEED, mincore-checked), pool sized for every expert
+             (posix_fadvise DONTNEED, mincore-checked), pool sized for every expert; in
+             rounds that take every format back to back, each format first in turn, since
+             this VM's disk reads 0.4-1.9 GB/s from one minute to the next: a ratio to bf16
+             comes from one round, and a repeat's figure is its rounds' median
   agreement  the demo models (GPT-OSS's fused experts aside), experts int8 vs bf16: share of
              the first 32 greedy tokens that are equal (free-running: one flip changes all
              after it), int8's top-1 at each of bf16's 32 positions (teacher-forced), and the
@@ -43,6 +46,7 @@ DECODE_TOKENS = 32
 TIMED_CALLS = 3       # per figure; this 2-core VM's neighbours add noise, never remove it
 BATCHES = (1, 8)
 COLD_LENGTHS = (8, 32)
+COLD_ROUNDS = 4       # per repeat and prompt length: every format once a round
 AGREEMENT_TOKENS = 32
 
 
@@ -103,7 +107,7 @@ def measure(home: str, repeats: int, preset: str) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(32)] for _ in range(max(BATCHES))]
     decode = {kind: {b: [] for b in BATCHES} for kind in paths}
-    cold = {kind: {n: [] for n in COLD_LENGTHS} for kind in paths}
+    cold = {kind: {n: [] for n in COLD_LENGTHS} for kind in paths}   # [repeat][round]
     loads = []
     for repeat in range(repeats):
         loads.append(machine_load())
@@ -113,8 +117,14 @@ def measure(home: str, repeats: int, preset: str) -> dict:
             for b in BATCHES:
                 decode[kind][b].append(decode_rate(llm, prompts[:b]))
             del llm
-            for n in COLD_LENGTHS:
-                cold[kind][n].append(cold_ttft(path, prompts[0][:n]))
+        kinds = list(paths)
+        for n in COLD_LENGTHS:
+            for kind in kinds:
+                cold[kind][n].append([])
+            for round_ in range(COLD_ROUNDS):
+                first = round_ % len(kinds)
+                for kind in kinds[first:] + kinds[:first]:
+                    cold[kind][n][-1].append(cold_ttft(paths[kind], prompts[0][:n]))
         print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
     return {"preset": preset, "sizes": sizes, "decode": decode, "cold": cold, "loads": loads,
             "agreement": agreement(home)}
@@ -129,7 +139,8 @@ def markdown(r: dict, argv: list[str]) -> str:
              f"`python -m mox.bench.micro.quantized "
              f"{' '.join(argv)}`, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, "
              f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; before each "
-             f"repeat: {'; '.join(r['loads'])}. Each figure: the runs in order.\n",
+             f"repeat: {'; '.join(r['loads'])}. Each figure: the repeats in order (cold TTFT: the "
+             f"median of {COLD_ROUNDS} rounds, and of the rounds' ratios to bf16).\n",
              "| experts | bytes / expert | of bf16 | " + " | ".join(
                  f"decode tok/s @{b} | vs bf16 @{b}" for b in BATCHES) + " | " + " | ".join(
                  f"cold TTFT {n} tok s | vs bf16" for n in COLD_LENGTHS) + " |",
@@ -140,10 +151,11 @@ def markdown(r: dict, argv: list[str]) -> str:
         for b in BATCHES:
             runs, ref = r["decode"][kind][b], r["decode"][BF16][b]
             cells += [_runs(runs), _runs([v / w for v, w in zip(runs, ref)], fmt="{:.2f}x")]
-        for n in COLD_LENGTHS:
+        for n in COLD_LENGTHS:             # per repeat: the median round
             runs, ref = r["cold"][kind][n], r["cold"][BF16][n]
-            cells += [_runs(runs, fmt="{:.2f}"),
-                      _runs([v / w for v, w in zip(runs, ref)], fmt="{:.2f}x")]
+            cells += [_runs([statistics.median(rounds) for rounds in runs], fmt="{:.2f}"),
+                      _runs([statistics.median(v / w for v, w in zip(rounds, base_rounds))
+                             for rounds, base_rounds in zip(runs, ref)], fmt="{:.2f}x")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Agreement, int8 experts vs bf16 (demo models, greedy, 16-token prompt):", "",
               "| model | free-running: first 32 equal | first difference at | teacher-forced "
