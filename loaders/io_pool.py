@@ -92,7 +92,7 @@ class IOPool:
     def _work(self) -> None:
         use_one_thread()                    # see loaders/threads.py
         while (task := self._queue.get()).call is not None:
-            call = task.call
+            call, task = task.call, None
             try:
                 if not self._claim(call):
                     continue
@@ -101,11 +101,18 @@ class IOPool:
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
                     call.future.set_exception(e)
             finally:
+                # an idle thread holds nothing of its last call: its arguments (a model's
+                # slot pool, by way of a bound load) stayed alive while the thread waited
+                call = None
                 with self._lock:
                     self._unfinished -= 1
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
+        """Let the threads end once the queued calls are done, without waiting for them."""
         for _ in self._threads:
             self._queue.put(_Task(_STOP, next(self._seq), None))
+
+    def shutdown(self) -> None:
+        self.stop()
         for thread in self._threads:
             thread.join()

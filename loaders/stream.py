@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class StreamingReader:
     def __init__(self, num_threads: int = DEFAULT_IO_THREADS, direct: bool = False) -> None:
         self.direct = direct
         self._pool = IOPool(num_threads)
+        # its threads hold the pool, not the reader: a reader dropped unclosed (an `LLM`
+        # that goes out of scope) stops them rather than leaving them to wait forever
+        weakref.finalize(self, self._pool.stop)
         self._local = threading.local()            # per-thread aligned bounce buffer
         self._no_direct: set[str] = set()          # files whose filesystem refused O_DIRECT
         self._lock = threading.Lock()

@@ -1,8 +1,12 @@
 """The I/O threads' queue (loaders/io_pool.py): priorities, cancelling, promotion."""
 
+import gc
 import threading
+import time
+import weakref
 
 from mox.loaders.io_pool import DEMAND, PREFETCH, IOPool
+from mox.loaders.stream import StreamingReader
 
 
 def _blocked_pool():
@@ -64,3 +68,32 @@ def test_a_cancelled_call_stays_cancelled_when_promoted():
         release.set()
         pool.shutdown()
     assert not pool.busy
+
+
+class _Arguments:
+    """Stands in for what a load holds (a model's slot pool)."""
+
+
+def test_an_idle_thread_holds_nothing_of_its_last_call():
+    pool, arguments = IOPool(1), _Arguments()
+    try:
+        held = weakref.ref(arguments)
+        pool.submit(lambda a: None, arguments).result(timeout=10)
+        del arguments
+        deadline = time.monotonic() + 10
+        while held() is not None and time.monotonic() < deadline:   # the thread's finally
+            gc.collect()
+            time.sleep(0.01)
+        assert held() is None
+    finally:
+        pool.shutdown()
+
+
+def test_a_reader_dropped_unclosed_stops_its_threads():
+    reader = StreamingReader(num_threads=2)
+    threads = list(reader._pool._threads)
+    del reader
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
