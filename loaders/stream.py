@@ -71,8 +71,9 @@ class StreamingReader:
         self.direct = direct
         self._pool = IOPool(num_threads)
         # its threads hold the pool, not the reader: a reader dropped unclosed (an `LLM`
-        # that goes out of scope) stops them rather than leaving them to wait forever
-        weakref.finalize(self, self._pool.stop)
+        # that goes out of scope) stops them rather than leaving them to wait forever. Not
+        # at exit: threads woken while the interpreter finalizes abort the process
+        weakref.finalize(self, self._pool.stop).atexit = False
         self._local = threading.local()            # per-thread aligned bounce buffer
         self._no_direct: set[str] = set()          # files whose filesystem refused O_DIRECT
         self._lock = threading.Lock()

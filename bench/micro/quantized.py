@@ -66,8 +66,9 @@ def decode_rate(llm: LLM, prompts: list[list[int]]) -> float:
 
 
 def cold_ttft(path: str, prompt: list[int]) -> float:
-    """In a child process: an LLM's memory is not all returned when it is dropped (about one
-    pool's worth stayed, held from C++), and rounds of them filled this VM's 23 GB."""
+    """In a fresh child process each time, as a server starts cold: rounds of LLMs in one
+    process once filled this VM's 23 GB (idle I/O threads held each one's pool; fixed in
+    loaders/io_pool.py), and nothing of one trial's allocations helps the next."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
         return child.submit(_cold_ttft, path, prompt).result()
 
