@@ -108,7 +108,7 @@ class LoadGenerator:
             resp.raise_for_status()
             reports = msgspec.json.decode(await resp.read())
         return [ReplicaResult(r, rep["landed"], rep["landed_warm"], rep["warmth"],
-                              rep["landed_held"])
+                              rep["landed_held"], rep["landed_warm_elsewhere"])
                 for r, rep in sorted(reports.items())]
 
     async def send(self, spec: RequestSpec, replay_start: float) -> RequestResult:

@@ -95,6 +95,17 @@ def per_model_table(suite: Suite) -> list[str]:
     return rows
 
 
+def _one_process_warm(suite: Suite) -> str:
+    """The share of `rate`'s requests (one process, the whole budget) that found their model
+    warm, for comparison with a Ray run's."""
+    rate = next((p for p in suite.policies if p.policy == "rate" and p.latency), None)
+    if rate is None:
+        return ""
+    warm, cold = rate.latency.warm_ttft.count, rate.latency.cold_ttft.count
+    return (f" In one process (rate, the whole budget) {warm / (warm + cold):.0%} found their "
+            "model warm." if warm + cold else "")
+
+
 def fleet_table(suite: Suite) -> list[str]:
     """Per replica of each Ray run: the requests that landed there per model (warm / all) and
     each model's warmth there at the end."""
@@ -102,11 +113,14 @@ def fleet_table(suite: Suite) -> list[str]:
     for p in suite.policies:
         if not p.replicas:
             continue
-        warm, held = (f"{s:.0%}" if s is not None else "-" for s in (p.warm_share,
-                                                                        p.held_share))
+        warm, held, routed = (f"{s:.0%}" if s is not None else "-"
+                              for s in (p.warm_share, p.held_share, p.routed_warm_share))
         lines += [f"{p.policy}: {warm} of requests landed on a replica where their model was "
                   f"warm (dense weights on), {held} on one that held it (in its multiplexed "
-                  "set; the budget may have parked it there).", "",
+                  "set; the budget may have parked it there). Of the requests whose model "
+                  "was warm on some replica (by the replicas' reports, at most a second old), "
+                  f"{routed} landed where it was warm; the others' models were warm nowhere."
+                  + _one_process_warm(suite), "",
                   "| replica | requests landed (warm / held / all) per model | warmth at the end |",
                   "|---|---|---|"]
         for r in p.replicas:

@@ -125,14 +125,17 @@ class RequestRecord(msgspec.Struct, omit_defaults=True):
 class ReplicaResult(msgspec.Struct):
     """One replica of a Ray run: requests that landed there per model, how many found the
     model warm (its dense weights on) and how many found it held (in the replica's multiplexed
-    set: routed to where it lives, though the budget may have parked it), and each model's
-    warmth there as the run ended (mox.fleet.warmth)."""
+    set: routed to where it lives, though the budget may have parked it), how many found it
+    cold there but warm on another replica (routing's misses; the rest of the cold found it
+    warm nowhere: the budget's), and each model's warmth there as the run ended
+    (mox.fleet.warmth)."""
 
     replica: str
     landed: dict[str, int]
     landed_warm: dict[str, int]
     warmth: dict[str, float]
     landed_held: dict[str, int] = {}
+    landed_warm_elsewhere: dict[str, int] = {}
 
 
 class PolicyResult(msgspec.Struct, kw_only=True):
@@ -169,6 +172,14 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     def held_share(self) -> float | None:
         """... the share that landed on a replica holding their model."""
         return self._landing_share("landed_held")
+
+    @property
+    def routed_warm_share(self) -> float | None:
+        """... of the requests whose model was warm on some replica, the share that landed on
+        one where it was."""
+        warm = sum(n for r in self.replicas for n in r.landed_warm.values())
+        could = warm + sum(n for r in self.replicas for n in r.landed_warm_elsewhere.values())
+        return warm / could if could else None
 
     def _landing_share(self, field: str) -> float | None:
         landed = sum(n for r in self.replicas for n in r.landed.values())

@@ -59,7 +59,8 @@ static inline float activate(const gating_t *g, float gate, float up) {
     return (up + 1.0f) * (gate / (1.0f + expf(-gate * g->alpha)));
 }
 
-/* integer weight rows [n0, n1) of slot s (int8, int4, MXFP4: per-row scales) against
+/* integer weight rows [n0, n1) of slot s (int8, int4, MXFP4: block_rows 1, so row n's
+ * scales follow row n - 1's) against
  * `count` quantized x rows from `first`, MAX_ROWS at a time: the VNNI loops where the CPU
  * has VNNI, else AVX2's (`fast`), else plain C */
 static void integer_rows(const qrows_t *qx, int64_t first, int64_t count, pool_t p, int64_t s,

@@ -22,8 +22,11 @@ class FleetDirectory:
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, dict]] = {}
 
-    def report(self, replica: str, report: dict) -> None:
+    def report(self, replica: str, report: dict) -> dict[str, dict]:
+        """Takes a replica's report; returns every live replica's warmth (where a model is
+        warm across the fleet, for the replica's landing counts)."""
         self._reports[replica] = (time.monotonic(), report)
+        return {r: {"warmth": rep.get("warmth", {})} for r, rep in self.reports().items()}
 
     def reports(self) -> dict[str, dict]:
         now = time.monotonic()

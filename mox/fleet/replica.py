@@ -23,7 +23,7 @@ from ray import serve
 
 from mox.fleet.directory import REPORT_PERIOD_S, directory
 from mox.fleet.messages import Exchange, ResponseHead, end_to_end
-from mox.fleet.warmth import replica_report
+from mox.fleet.warmth import replica_report, warm_on_another
 from mox.messages import ModelState
 from mox.serve import RouterBackend, ServeOptions, start_serving
 from mox.server.app import METRICS
@@ -64,6 +64,10 @@ class MoxReplica:
         self._landed: Counter[str] = Counter()        # requests routed here, per model
         self._landed_warm: Counter[str] = Counter()   # ... that found the model warm
         self._landed_held: Counter[str] = Counter()   # ... that found it in the set
+        # ... that found it cold here but warm on another replica (by the fleet's reports,
+        # at most a report period old): what routing, not the budget, could have saved
+        self._landed_warm_elsewhere: Counter[str] = Counter()
+        self._fleet: dict[str, dict] = {}             # the directory's last reply
         self._directory = directory(app_name)
         self._reporter = asyncio.create_task(self._report_forever())
         log.info("replica %s serving on %s", self.replica_id, self._base)
@@ -95,6 +99,8 @@ class MoxReplica:
         self._landed[model] += 1
         self._landed_warm[model] += state == ModelState.WARM
         self._landed_held[model] += model in self._holding
+        self._landed_warm_elsewhere[model] += (
+            state != ModelState.WARM and warm_on_another(model, self._fleet, self.replica_id))
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve asks every replica for this every second and hands it to the routers
@@ -107,13 +113,15 @@ class MoxReplica:
                 "pid": os.getpid(),
                 "landed": dict(self._landed), "landed_warm": dict(self._landed_warm),
                 "landed_held": dict(self._landed_held),
+                "landed_warm_elsewhere": dict(self._landed_warm_elsewhere),
                 "metrics": body.decode(),
                 **replica_report(self.serving.backend.snapshot())}
 
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self._directory.report.remote(self.replica_id, self.report())
+                self._fleet = await self._directory.report.remote(self.replica_id,
+                                                                  self.report())
             except Exception:  # noqa: BLE001 - reporting must not stop serving
                 log.exception("replica %s: report to the fleet directory failed",
                               self.replica_id)

@@ -59,6 +59,14 @@ def score(candidate: Candidate, model: str) -> float:
     return warmth - queue / QUEUE_PER_WARMTH
 
 
+def warm_on_another(model: str, reports: dict[str, dict], me: str) -> bool:
+    """Whether `model` is warm (its dense weights on) on a replica other than `me`, by the
+    replicas' latest reports: a request for it that found it cold on `me` could have found
+    it warm there."""
+    return any(report.get("warmth", {}).get(model, 0.0) > 0.0
+               for replica, report in reports.items() if replica != me)
+
+
 def rank(candidates: Sequence[Candidate], model: str) -> list[list[Hashable]]:
     """The replicas for a request of `model`, best first, as Ray's `choose_replicas` returns
     them (one rank per replica, so a full replica falls through to the next best). Between

@@ -143,13 +143,14 @@ def test_summary_goodput_rule_and_target_ratios():
 
 def test_a_ray_runs_targets_compare_with_rate_in_one_process():
     from mox.bench.loadtest.report import fleet_table
-    from mox.bench.loadtest.results_schema import ReplicaResult, Workload
+    from mox.bench.loadtest.results_schema import Latency, ReplicaResult, Workload
 
     replicas = [ReplicaResult("r0", {"a": 10, "b": 2}, {"a": 9, "b": 2}, {"a": 1.0},
-                              {"a": 10, "b": 1}),
-                ReplicaResult("r1", {"c": 8}, {"c": 7}, {"c": 0.75}, {"c": 8})]
+                              {"a": 10, "b": 1}, {"a": 1}),
+                ReplicaResult("r1", {"c": 8}, {"c": 7}, {"c": 0.75}, {"c": 8}, {})]
     fleet = PolicyResult(policy="rate-ray2", goodput_requests_per_s=0.45, replicas=replicas)
     assert fleet.warm_share == 0.9 and fleet.held_share == 0.95
+    assert fleet.routed_warm_share == 18 / 19          # one of 19 could have found it warm
     found = {t.figure: t for t in targets(
         [PolicyResult(policy="rate", goodput_requests_per_s=0.5), fleet])}
     goodput = found["rate-ray2 goodput"]
@@ -160,6 +161,14 @@ def test_a_ray_runs_targets_compare_with_rate_in_one_process():
                   None, [fleet], [])
     table = "\n".join(fleet_table(suite))
     assert "90% of requests landed" in table and "95% on one that held it" in table
+    assert "was warm on some replica (by the replicas' reports, at most a second old), 95% " \
+        "landed where it was warm" in table
+    one = PolicyResult(policy="rate", latency=Latency(*[Summary(1)] * 4, cold_ttft=Summary(3),
+                                                      warm_ttft=Summary(9)))
+    suite = Suite("uniform", 0.0, ["a", "b", "c"], 0, 0, 0, Workload(20, 1.0, 8, 8, {}),
+                  None, [one, fleet], [])
+    assert "In one process (rate, the whole budget) 75% found their model warm." in \
+        "\n".join(fleet_table(suite))
     assert "| r0 | a 9/10/10, b 2/1/2 | a 1.00 |" in table and "| r1 | c 7/8/8 | c 0.75 |" in table
 
 

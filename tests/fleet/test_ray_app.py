@@ -132,12 +132,20 @@ def test_a_models_requests_land_where_it_is_warm(fleet, client):
                                  if rep["warmth"].get(model, 0) > 0], "the model warm")
     time.sleep(3.0)        # the routing stats reach the ingress's router (every second)
     before = _successes(fleet, model)
+    missed_before = _warm_elsewhere(fleet, model)
     for _ in range(6):
         client.completions.create(model=model, prompt="again", **GREEDY)
     after = _wait_for(lambda: (a := _successes(fleet, model)) and sum(a.values())
                       >= sum(before.values()) + 6 and a, "the metrics report")
     landed = {r: after[r] - before.get(r, 0) for r in after}
     assert sum(landed.get(r, 0) for r in warm_on) == 6, (warm_on, landed)
+    # none found it cold where it landed while it was warm elsewhere
+    assert _warm_elsewhere(fleet, model) == missed_before
+
+
+def _warm_elsewhere(fleet, model: str) -> int:
+    return sum(rep["landed_warm_elsewhere"].get(model, 0)
+               for rep in json.loads(_get(fleet, "/fleet")).values())
 
 
 def test_a_model_added_to_the_registry_reaches_every_replica(fleet, client):

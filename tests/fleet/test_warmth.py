@@ -6,7 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mox.fleet.messages import request_fields
-from mox.fleet.warmth import QUEUE_PER_WARMTH, Candidate, model_warmth, rank, replica_report
+from mox.fleet.warmth import (
+    QUEUE_PER_WARMTH,
+    Candidate,
+    model_warmth,
+    rank,
+    replica_report,
+    warm_on_another,
+)
 
 
 def _model(dense: bool, resident: int = 0, slots: int = 8, running: int = 0, waiting: int = 0):
@@ -30,6 +37,14 @@ def test_replica_report_sums_the_queue_over_models():
 
 def _report(queue: int, **warmth: float) -> dict:
     return {"queue": queue, "warmth": warmth}
+
+
+def test_warm_on_another_looks_past_the_asking_replica():
+    reports = {"r0": _report(0, a=1.0, b=0.0), "r1": _report(0, b=0.5, c=0.0)}
+    assert warm_on_another("a", reports, "r1") and not warm_on_another("a", reports, "r0")
+    assert warm_on_another("b", reports, "r0") and not warm_on_another("b", reports, "r1")
+    assert not warm_on_another("c", reports, "r0") and not warm_on_another("z", reports, "r0")
+    assert not warm_on_another("a", {}, "r0")
 
 
 def test_the_replica_where_the_model_is_warm_ranks_first():
