@@ -118,7 +118,7 @@ def fleet_table(suite: Suite) -> list[str]:
         lines += [f"{p.policy}: {warm} of requests landed on a replica where their model was "
                   f"warm (dense weights on), {held} on one that held it (in its multiplexed "
                   "set; the budget may have parked it there). Of the requests whose model "
-                  "was warm on some replica (by the replicas' reports, at most a second old), "
+                  "was warm on some replica (by the replicas' reports, up to two seconds old), "
                   f"{routed} landed where it was warm; the others' models were warm nowhere."
                   + _one_process_warm(suite), "",
                   "| replica | requests landed (warm / held / all) per model | warmth at the end |",

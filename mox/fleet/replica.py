@@ -64,8 +64,9 @@ class MoxReplica:
         self._landed: Counter[str] = Counter()        # requests routed here, per model
         self._landed_warm: Counter[str] = Counter()   # ... that found the model warm
         self._landed_held: Counter[str] = Counter()   # ... that found it in the set
-        # ... that found it cold here but warm on another replica (by the fleet's reports,
-        # at most a report period old): what routing, not the budget, could have saved
+        # ... that found it cold here but warm on another replica (by the others' reports,
+        # relayed in the reply to this one's: up to two report periods old): what routing,
+        # not the budget, could have saved
         self._landed_warm_elsewhere: Counter[str] = Counter()
         self._fleet: dict[str, dict] = {}             # the directory's last reply
         self._directory = directory(app_name)
