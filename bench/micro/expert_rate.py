@@ -75,7 +75,8 @@ def measure(builds: dict[str, native.NativeKernels], pools: dict, rows: int, exp
     for _ in range(passes):
         for tag, lib in builds.items():
             for name, (a, b, scales) in pools.items():
-                nbytes = a[0].numel() * a.element_size() + b[0].numel() * b.element_size()
+                nbytes = sum(t[0].numel() * t.element_size()          # weights and scales
+                             for t in (a, b, *((scales.w13, scales.w2) if scales else ())))
                 start = time.perf_counter()
                 for call in range(CALLS):
                     lib.moe_experts(x, a, b, [((call * 7) % experts, rows)], torch.ones(rows),
