@@ -91,7 +91,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         dense_idle_s=args.idle_timeout,
         tpot_target_s=None if args.tpot_target is None else args.tpot_target / 1000,
         compute_threads=args.compute_threads, step_log=args.step_log,
-        direct_io=not args.buffered_io)
+        direct_io=not args.buffered_io, decode_steps=args.decode_steps)
 
 
 def _serve_on_ray(args: argparse.Namespace, options) -> int:
@@ -111,6 +111,7 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
 
 def _add_serve_parser(sub) -> None:
     from mox.router import ROUTER_POLICIES
+    from mox.router.config import DEFAULT_DECODE_STEPS
 
     serve = sub.add_parser("serve", help="serve the registry's models over an OpenAI API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
@@ -138,6 +139,10 @@ def _add_serve_parser(sub) -> None:
                        help="time per output token to keep: a model joins the models that "
                             "run only while their round of steps stays within it, so under "
                             "overload fewer models run at a time (default: all of them)")
+    serve.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                       help="decode steps a batch runs back to back while no other request "
+                            "waits (its tokens stream in bursts of this many; 1: off; "
+                            f"default {DEFAULT_DECODE_STEPS})")
     serve.add_argument("--compute-threads", type=int,
                        help="torch threads for model steps (default: every core)")
     serve.add_argument("--buffered-io", action="store_true",

@@ -20,6 +20,7 @@ from mox.messages import FinishReason, ModelState, Request
 from mox.models import MoEDecoder
 from mox.pager import ModelPool
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
+from mox.router.config import DEFAULT_DECODE_STEPS
 from mox.router.served_model import dense_nbytes, resolve_device, resolve_dtype
 from mox.sampling import SamplingParams
 from mox.tokenizer import Tokenizer
@@ -48,12 +49,15 @@ class LLM:
     machine's RAM; on a CPU off: the slots are RAM already); `policy`: any router policy (rate,
     lru, lfu, model-swap, all-resident); `prefetch`: predict and preload the next layer's
     experts (None: on for CUDA, off on CPU; see `prefetch_by_default`); `direct_io`: read
-    experts with O_DIRECT where the filesystem allows (no page-cache copy of the weights)."""
+    experts with O_DIRECT where the filesystem allows (no page-cache copy of the weights);
+    `decode_steps`: decode steps a batch runs back to back when nothing else waits
+    (mox.engine.scheduler)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
                  policy: str = "rate", prefetch: bool | None = None, direct_io: bool = True,
-                 kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256):
+                 kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256,
+                 decode_steps: int = DEFAULT_DECODE_STEPS):
         if policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from "
                                       f"{ROUTER_POLICIES}")
@@ -70,7 +74,8 @@ class LLM:
         self.router = Router({self.name: self.name}, RouterConfig(
             policy=policy, device=device, dtype=self.dtype, device_memory=device_memory,
             host_memory=host_bytes, kv_memory=parse_size(kv_memory),
-            max_batched_tokens=max_batched_tokens, prefetch=prefetch, direct_io=direct_io))
+            max_batched_tokens=max_batched_tokens, prefetch=prefetch, direct_io=direct_io,
+            decode_steps=decode_steps))
         served = self.router.models[self.name]
         if served.state == ModelState.FAILED:
             raise ModelUnavailableError(served.error)

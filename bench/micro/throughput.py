@@ -5,8 +5,10 @@ concurrent sequences (all prompts in one batch).
 Decode time = T(1 + D new tokens) - T(1 new token) on the same prompts: both hold the one
 prefill (mox gets max_batched_tokens >= n * 16: one step), so the difference is D decode
 steps; tokens/s = n * D / that. transformers runs both experts implementations; the faster
-(median) is the baseline. mox runs twice: as it is, and with its native CPU kernels off
-(`native.torch_paths()`, the paths before them), for the before/after in one run. Each
+(median) is the baseline. mox runs three times: as it is (several decode steps back to back,
+`decode_steps`), one decode step per engine step (`decode_steps=1`, as before multi-step
+decode), and with its native CPU kernels off (`native.torch_paths()`, the paths before them),
+for the before/after in one run. Each
 repeat runs every variant once, in rotating order; tables show medians (best in brackets);
 ratios are medians of per-repeat ratios (the machine is shared).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import inspect
 import json
@@ -119,11 +122,16 @@ def load_variants(path: str, max_batched_tokens: int) -> tuple[LLM, dict]:
         return [o.token_ids for o in llm.generate(prompt_token_ids=p, max_tokens=m,
                                                   temperature=0.0, ignore_eos=True)]
 
-    def run_mox_torch_paths(p: list[list[int]], m: int) -> list[list[int]]:
-        with native.torch_paths():                 # the previous mox, for the comparison
+    def run_mox_one_step(p: list[list[int]], m: int) -> list[list[int]]:
+        with one_step(llm):                        # the previous mox, for the comparison
             return run_mox(p, m)
 
-    runs = {"mox": run_mox, "mox-torch-paths": run_mox_torch_paths}
+    def run_mox_torch_paths(p: list[list[int]], m: int) -> list[list[int]]:
+        with native.torch_paths():                 # the mox before that, likewise
+            return run_mox(p, m)
+
+    runs = {"mox": run_mox, "mox-one-step": run_mox_one_step,
+            "mox-torch-paths": run_mox_torch_paths}
     for impl in HF_IMPLS:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                      experts_implementation=impl).eval()
@@ -132,6 +140,18 @@ def load_variants(path: str, max_batched_tokens: int) -> tuple[LLM, dict]:
             do_sample=False, max_new_tokens=m, min_new_tokens=m, pad_token_id=0,
         )[:, len(p[0]):].tolist()                  # equal-length prompts: no padding needed
     return llm, runs
+
+
+@contextlib.contextmanager
+def one_step(llm: LLM):
+    """The engine runs one decode step per `step()` meanwhile (`decode_steps=1`)."""
+    scheduler = llm.engine.scheduler
+    config = scheduler.config
+    scheduler.config = dataclasses.replace(config, decode_steps=1)
+    try:
+        yield
+    finally:
+        scheduler.config = config
 
 
 def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> dict:
@@ -151,6 +171,7 @@ def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> 
     base = f"hf-{max(hf, key=hf.get)}"
     ratios = [a / b for a, b in zip(rates["mox"], rates[base])]
     vs_previous = [a / b for a, b in zip(rates["mox"], rates["mox-torch-paths"])]
+    vs_one_step = [a / b for a, b in zip(rates["mox"], rates["mox-one-step"])]
     pairs = {f"mox~hf-{v}": ("mox", f"hf-{v}") for v in HF_IMPLS}
     pairs["hf-eager~hf-grouped_mm"] = ("hf-eager", "hf-grouped_mm")   # bf16 noise, for scale
     agree = {pair: sum(a[:AGREE] == b[:AGREE] for a, b in zip(tokens[x], tokens[y]))
@@ -159,6 +180,7 @@ def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> 
             "best_tok_s": {v: max(r) for v, r in rates.items()}, "baseline": base,
             "ratio": statistics.median(ratios), "ratio_per_repeat": ratios,
             "vs_previous": statistics.median(vs_previous),
+            "vs_one_step": statistics.median(vs_one_step), "vs_one_step_per_repeat": vs_one_step,
             "tok_s_per_repeat": rates, f"first_{AGREE}_tokens_agree": agree}
 
 
@@ -311,12 +333,15 @@ def write_markdown(path: Path, r: dict) -> None:
     variants = list(next(iter(r["concurrency"].values()))["tok_s"])
     lines = ["# Decode throughput: mox vs transformers generate (bench olmoe, bf16, CPU)", "",
              *(f"- {k}: {r.get(k)}" for k in keys), "",
-             "mox-torch-paths: mox with its native kernels off (the previous paths), same run."
+             "mox-one-step: mox running one decode step per engine step (decode_steps=1, as "
+             "before multi-step decode); mox-torch-paths: mox with its native kernels off (the "
+             "paths before them); same run."
              " Bound: a step's weight bytes / the best read rate measured (best_gbps).", "",
              "| seqs | " + " | ".join(f"{v} tok/s" for v in variants) + " | mox / baseline "
-             "(target) | mox / mox-torch-paths | bound tok/s | step / bound (target) | first "
+             "(target) | mox / mox-one-step | mox / mox-torch-paths | bound tok/s | step / "
+             "bound (target) | first "
              f"{AGREE} tokens agree: mox~eager, mox~grouped_mm, eager~grouped_mm |",
-             "|" + " --- |" * (len(variants) + 6)]
+             "|" + " --- |" * (len(variants) + 7)]
     for n, s in r["concurrency"].items():
         cells = " | ".join(f"{s['tok_s'][v]:.1f} ({s['best_tok_s'][v]:.1f})" for v in variants)
         hf_target = (f" (>= {HF_TARGETS[int(n)]}: " + (
@@ -328,7 +353,8 @@ def write_markdown(path: Path, r: dict) -> None:
                         if int(n) in BOUND_TARGETS else "")
         agree = ", ".join(f"{a:.0%}" for a in s[f"first_{AGREE}_tokens_agree"].values())
         lines.append(f"| {n} | {cells} | {s['ratio']:.2f} vs {s['baseline']}{hf_target} | "
-                     f"{s['vs_previous']:.2f} | {s['bound_tok_s']:.0f} | {over:.2f}"
+                     f"{s['vs_one_step']:.2f} | {s['vs_previous']:.2f} | "
+                     f"{s['bound_tok_s']:.0f} | {over:.2f}"
                      f"{bound_target} | {agree} |")
     lines += ["", f"Batch 1: mox {b['mox_ms']:.1f} ms/token, baseline {b['baseline_ms']:.1f}; "
               f"bound {b['bytes_per_token'] / 1e6:.0f} MB / {r['best_gbps']:.1f} GB/s = "
@@ -384,12 +410,14 @@ def main() -> None:
                   + f"; mox / {s['baseline']} = {s['ratio']:.2f}", flush=True)
         r.update({k: round(max(v, before[k]), 2) for k, v in bandwidths().items()})   # 2 tries
         r["best_gbps"] = max(v for k, v in r.items() if k.endswith("_gbps"))
-        for n in (str(1), str(max(counts))):
-            r["step"][n] = decode_step(llm, prompts[int(n)])
-            r["step"][n]["layer_by_layer"] = decode_step(llm, prompts[int(n)], chained=False)
-            r["step"][n]["kernels_stubbed"] = decode_step(llm, prompts[int(n)],
-                                                          stub_kernels=True)
-            r["step"][n].update(dense_gemms(llm, int(n)))
+        with one_step(llm):            # the diagnosis takes one decode step apart
+            for n in (str(1), str(max(counts))):
+                r["step"][n] = decode_step(llm, prompts[int(n)])
+                r["step"][n]["layer_by_layer"] = decode_step(llm, prompts[int(n)],
+                                                             chained=False)
+                r["step"][n]["kernels_stubbed"] = decode_step(llm, prompts[int(n)],
+                                                              stub_kernels=True)
+                r["step"][n].update(dense_gemms(llm, int(n)))
     for n, s in r["concurrency"].items():
         s["step_bytes"], s["experts_touched"] = step_bytes(ckpt, int(n))
         s["bound_tok_s"] = int(n) / (s["step_bytes"] / (r["best_gbps"] * 1e9))

@@ -256,14 +256,24 @@ class Engine:
             self.current_step = None
         if sampled is None:
             return None
-        self._end(step)
-        return [self._advance(self._live[s.seq.request_id], s) for s in sampled
-                if s.seq not in step.aborted]
+        self._end(step, len(sampled))
+        # one output per token, as steps one at a time give them (a sequence's tokens of
+        # every step in turn, up to the first that ends it: the rest are dropped)
+        outputs = []
+        for tokens in zip(*sampled):
+            if tokens[0].seq in step.aborted:
+                continue
+            live = self._live[tokens[0].seq.request_id]
+            for token in tokens:
+                outputs.append(self._advance(live, token))
+                if outputs[-1].finish_reason is not None:
+                    break
+        return outputs
 
-    def _end(self, step: InFlight) -> None:
+    def _end(self, step: InFlight, num_steps: int = 1) -> None:
         self._forget(step)
-        info = self.last_step = step.finished_info()
-        self.scheduler.record_step(info.model, info.seconds - info.parked_seconds)
+        info = self.last_step = step.finished_info(num_steps)
+        self.scheduler.record_step(info.model, (info.seconds - info.parked_seconds) / num_steps)
 
     def _forget(self, step: InFlight) -> None:
         """The step is over: its model may run again, and its aborted sequences' KV goes."""

@@ -56,7 +56,7 @@ class StepInfo:
 @dataclass
 class InFlight:
     batch: Batch
-    steps: Generator[ReadsPending | None, None, list[SampledToken]]
+    steps: Generator[ReadsPending | None, None, list[list[SampledToken]]]
     info: StepInfo
     pool: ModelPool
     pager_before: tuple[float, int, int, int] = field(init=False)
@@ -79,9 +79,9 @@ class InFlight:
         landed)?"""
         return self.pending is None or self.pending.done
 
-    def advance(self) -> list[SampledToken] | None:
-        """One slice: run until the pass ends (its sampled tokens) or yields at a layer
-        boundary or where it waits for reads (None)."""
+    def advance(self) -> list[list[SampledToken]] | None:
+        """One slice: run until the batch ends (its sampled tokens, a list per step) or
+        yields at a layer boundary or where it waits for reads (None)."""
         now, cpu = time.monotonic(), time.thread_time()
         if self.parked_at is not None:
             self.parked_seconds += now - self.parked_at
@@ -96,11 +96,13 @@ class InFlight:
         finally:
             self.cpu_seconds += time.thread_time() - cpu
 
-    def finished_info(self) -> StepInfo:
-        """The step's info with what it took (call once it ended, or failed)."""
+    def finished_info(self, num_steps: int = 1) -> StepInfo:
+        """The step's info with what it took (call once it ended, or failed), its tokens
+        those of all `num_steps` decode steps it ran."""
         stall, misses, waves, nbytes = (now - then for now, then in
                                         zip(self.pool.step_figures(), self.pager_before))
-        return replace(self.info, seconds=time.monotonic() - self.info.started,
+        return replace(self.info, num_tokens=self.info.num_tokens * num_steps,
+                       seconds=time.monotonic() - self.info.started,
                        cpu_seconds=self.cpu_seconds, parked_seconds=self.parked_seconds,
                        stall_seconds=stall, misses=misses, waves=waves, bytes_read=nbytes)
 

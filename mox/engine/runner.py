@@ -17,7 +17,7 @@ import torch
 from mox.engine.scheduler import Batch
 from mox.engine.sequence import Sequence
 from mox.models import MoEDecoder
-from mox.models.forward_batch import ForwardBatch, PaddedLayout
+from mox.models.forward_batch import DecodeAhead, ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
 from mox.pager import ReadsPending
 from mox.sampling import greedy_tokens, sample
@@ -36,33 +36,41 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def _key_slots(tables: list[list[int]], ends: list[int], block_size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Every key of sequences whose block tables are `tables`, `ends` keys each, concatenated:
+    its KV slot, its sequence, its position; and each sequence's first key's index."""
+    # (else a sequence's keys would run into the next one's blocks)
+    assert all(len(table) * block_size >= end for table, end in zip(tables, ends)), \
+        "a sequence's block table is shorter than its tokens"
+    blocks = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
+    seq_of_key = np.repeat(np.arange(len(tables)), ends)
+    first_key = list(itertools.accumulate(ends[:-1], initial=0))
+    key_pos = np.arange(len(seq_of_key)) - np.repeat(first_key, ends)
+    first_block = list(itertools.accumulate((len(t) for t in tables[:-1]), initial=0))
+    kv_slots = (blocks[:, None] * block_size + np.arange(block_size)).ravel()[
+        key_pos + np.repeat(np.array(first_block) * block_size, ends)]
+    return kv_slots, seq_of_key, key_pos, first_key
+
+
 class ModelRunner:
     def __init__(self, model: MoEDecoder, kv: KVStore) -> None:
         self.model = model
         self.kv = kv
 
-    def build(self, batch: Batch) -> ForwardBatch:
+    def build(self, batch: Batch, steps: int = 1) -> ForwardBatch:
         """The batch's index tensors, built in numpy with no loop over keys: a sequence's keys
         are O(context) each step (slot, position and sequence of every key), which Python
-        lists paid ~0.1 us an entry for (0.8 ms a step at 2,000 tokens)."""
+        lists paid ~0.1 us an entry for (0.8 ms a step at 2,000 tokens). A decode batch run
+        `steps` > 1 steps back to back also gets its later steps' slots (`ahead`)."""
         items, bs = batch.sequences, self.kv.block_size
         starts = [item.seq.num_computed_tokens for item in items]
         counts = [item.num_new_tokens for item in items]
         ends = [start + count for start, count in zip(starts, counts)]
         tables = [item.seq.block_table for item in items]
-        # (else a sequence's keys would run into the next one's blocks)
-        assert all(len(table) * bs >= end for table, end in zip(tables, ends)), \
-            "a sequence's block table is shorter than its tokens"
-        blocks = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
         ids = list(itertools.chain.from_iterable(
             item.seq.token_ids(start, end) for item, start, end in zip(items, starts, ends)))
-        # per key: its sequence, its position, and its index among its sequence's blocks' slots
-        seq_of_key = np.repeat(np.arange(len(items)), ends)
-        first_key = list(itertools.accumulate(ends[:-1], initial=0))
-        key_pos = np.arange(len(seq_of_key)) - np.repeat(first_key, ends)
-        first_block = list(itertools.accumulate((len(t) for t in tables[:-1]), initial=0))
-        kv_slots = (blocks[:, None] * bs + np.arange(bs)).ravel()[
-            key_pos + np.repeat(np.array(first_block) * bs, ends)]
+        kv_slots, seq_of_key, key_pos, first_key = _key_slots(tables, ends, bs)
         # per new token: its sequence and position
         q_seq = np.repeat(np.arange(len(items)), counts)
         first_new = list(itertools.accumulate(counts[:-1], initial=0))
@@ -76,6 +84,13 @@ class ModelRunner:
         decode = len(ids) == len(items)                        # one new token each
         if decode:                      # each token's keys: one run of kv_slots
             arrays += [np.asarray(first_key), np.asarray(ends)]
+        ahead = decode and steps > 1
+        if ahead:                       # the last step's keys; each step's positions, slots
+            last_slots, _, _, last_first = _key_slots(tables, [end + steps - 1 for end in ends],
+                                                      bs)
+            step_pos = np.asarray(starts)[None, :] + np.arange(steps)[:, None]       # [N, S]
+            arrays += [last_slots, np.asarray(last_first), step_pos.ravel(),
+                       last_slots[np.asarray(last_first)[None, :] + step_pos].ravel()]
         # one tensor for them all, split into views
         flat = torch.from_numpy(np.concatenate(arrays)).to(self.model.device).split(
             [len(a) for a in arrays])
@@ -85,6 +100,9 @@ class ModelRunner:
         forward.padded = partial(self._padded_layout, batch, len(ids), len(kv_slots))
         if decode:
             forward.key_ranges = flat[8], flat[9]
+        if ahead:
+            forward.ahead = DecodeAhead(flat[12].view(steps, -1), flat[13].view(steps, -1),
+                                        flat[10], flat[11], max(ends) + steps - 2)
         return forward
 
     def _padded_layout(self, batch: Batch, num_tokens: int, num_keys: int) -> PaddedLayout | None:
@@ -114,14 +132,35 @@ class ModelRunner:
                             torch.tensor(kv_slots, dtype=torch.long, device=device),
                             torch.tensor(kv_pos, dtype=torch.long, device=device))
 
-    def steps(self, batch: Batch) -> Generator[ReadsPending | None, None, list[SampledToken]]:
-        """Run the batch and sample; yields at the forward pass's layer boundaries and where
-        it waits for expert reads (see mox.engine.in_flight)."""
-        forward = self.build(batch)
-        logits = yield from self.model.forward_steps(forward)             # [S, V]
+    def steps(self, batch: Batch
+              ) -> Generator[ReadsPending | None, None, list[list[SampledToken]]]:
+        """Run the batch and sample: its sampled tokens, a list per step (one step, or up
+        to `batch.num_steps` decode steps back to back, which end early where a sequence
+        samples a stop token). Yields at the forward pass's layer boundaries and where it
+        waits for expert reads (see mox.engine.in_flight)."""
+        context = self.model.spec.max_position_embeddings
+        # (a step past the context would sample a token the engine drops)
+        steps = max(1, min(batch.num_steps,
+                           context - max(item.seq.num_tokens for item in batch.sequences)))
+        forward = self.build(batch, steps)
         sampling = [item.seq for item in batch.sequences if item.samples]
-        for item in batch.sequences:
-            item.seq.num_computed_tokens += item.num_new_tokens
+        sampled: list[list[SampledToken]] = []
+
+        def pick(logits: torch.Tensor) -> torch.Tensor | None:        # logits [S, V]
+            for item in batch.sequences:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            sampled.append(self._sample(sampling, logits))
+            if len(sampled) == steps or any(s.seq.params.is_stop_token(s.token_id)
+                                            for s in sampled[-1]):
+                return None
+            return torch.tensor([s.token_id for s in sampled[-1]], device=logits.device)
+
+        yield from self.model.decode_steps(forward, pick)
+        return sampled
+
+    @staticmethod
+    def _sample(sampling: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
+        """A token for each sequence from its row of `logits [S, V]`."""
         # greedy rows in one argmax over the batch (one op, not one per sequence)
         greedy = (greedy_tokens(logits) if any(seq.params.is_greedy for seq in sampling)
                   else [])

@@ -23,6 +23,14 @@ Design note.
   waiting ones in arrival order, until the step's token budget or sequence cap is reached.
   A long prompt is prefilled in chunks of at most the token budget, so it cannot stall the
   decodes that share its steps.
+- Multi-step decode (`decode_steps` > 1): a batch of decodes alone in the engine (no prompt
+  in it, no request waiting, no other model with work) runs several steps back to back, each
+  step's tokens fed to the next without a return to the engine (mox.engine.runner), so the
+  Python of a step (scheduling, building the index tensors, sampling, the outputs) is paid
+  once for several tokens. Its KV blocks are reserved for every step before it starts; the
+  steps stop early where a sequence samples a stop token, and never run past a sequence's
+  `max_tokens`. A request that arrives meanwhile waits for the run to end (at most
+  `decode_steps` steps), so the default keeps runs short.
 - KV: a sequence gets the blocks its new tokens need before it is scheduled. When the pool is
   full, the newest running sequence (of any model) is preempted: its blocks are freed and it
   waits to be recomputed. A sequence that cannot fit even alone fails instead of looping.
@@ -48,6 +56,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 256     # tokens per step: bounds a prefill chunk's latency
     max_running_sequences: int = 64
     tpot_target_s: float | None = None   # the round's target (None: every model runs)
+    decode_steps: int = 1             # most decode steps a batch runs back to back (above)
 
 
 @dataclass
@@ -65,6 +74,7 @@ class ScheduledSequence:
 class Batch:
     model: str
     sequences: list[ScheduledSequence]
+    num_steps: int = 1                # decode steps it may run back to back (KV reserved)
 
     @property
     def num_tokens(self) -> int:
@@ -193,7 +203,23 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         assert budget >= 0 and all(s.num_new_tokens > 0 for s in scheduled)
-        return Batch(model, scheduled) if scheduled else None
+        if not scheduled:
+            return None
+        return Batch(model, scheduled, self._decode_steps(model, scheduled))
+
+    def _decode_steps(self, model: str, scheduled: list[ScheduledSequence]) -> int:
+        """How many decode steps the batch may run back to back: one unless it is all
+        decodes and nothing else waits for the engine; at most what every sequence may still
+        generate, and what the KV pool holds without preempting anyone."""
+        steps = min([self.config.decode_steps]
+                    + [s.seq.params.max_tokens - s.seq.num_output_tokens for s in scheduled])
+        if (steps <= 1 or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
+                or any(q.waiting or (q.running and name != model)
+                       for name, q in self.queues.items())):
+            return 1
+        if all(self._reserve(s.seq, steps, may_preempt=False) for s in scheduled):
+            return steps
+        return 1               # (the blocks it did get serve the sequences' next steps)
 
     def _reserve(self, seq: Sequence, num_new: int, may_preempt: bool = True) -> bool:
         """Blocks for `num_new` more tokens of `seq`, preempting newer sequences if need be."""

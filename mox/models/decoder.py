@@ -5,8 +5,8 @@ Legend: T tokens, H hidden, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -117,18 +117,39 @@ class MoEDecoder:
         """`forward_batch` as a generator that yields None after each layer (or each native
         call of several) and the reads a MoE layer waits for, so its driver may step another
         model meanwhile (the engine does)."""
+        logits = None
+
+        def keep(step_logits: torch.Tensor) -> None:
+            nonlocal logits
+            logits = step_logits
+
+        yield from self.decode_steps(batch if batch.ahead is None else replace(batch, ahead=None),
+                                     keep)
+        return logits
+
+    @torch.inference_mode()
+    def decode_steps(self, batch: ForwardBatch,
+                     pick: Callable[[torch.Tensor], torch.Tensor | None]
+                     ) -> Generator[ReadsPending | None, None, None]:
+        """Forward passes of `batch`, each step's logits `[S, V]` f32 handed to `pick`, which
+        returns the next step's input ids `[S]` or None to stop: one step, or as many as
+        `batch.ahead` plans where a CPU decode chains its layers natively (elsewhere the
+        first step runs and the batch ends there). Yields as `forward_steps` does."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         # (every layer's attention has the same shapes and dtype: one answer for the batch)
         native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
         native_moe = batch.key_ranges is not None and self._takes_native_moe(x)
         if native_block and native_moe and self._chains():
-            x, logits = yield from self._decode_layers(x, batch)
-            if logits is not None:                 # the last call ran the tail too
-                return logits
-        elif self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
+            yield from self._decode_layers(x, batch, pick)
+            return
+        if self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
             x = yield from self._table_layers(x, batch)
         else:
             x = yield from self._layer_steps(x, batch, native_block, native_moe)
+        pick(self._logits(x, batch))
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The stream after the last layer -> logits `[S, V]` f32 of the sampled rows."""
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]                                               # [S, H]
         x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
@@ -162,36 +183,62 @@ class MoEDecoder:
                                self.rotary, batch)
         return x, rms_norm(x, layer.post_attention_norm, eps)
 
-    def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch
-                       ) -> Generator[ReadsPending | None, None,
-                                      tuple[torch.Tensor, torch.Tensor | None]]:
-        """Every layer of a CPU decode step through native calls (csrc/decode_layers.c): one
-        for the whole step while the tokens' experts are resident; a layer that finds one
-        missing pages its experts in waves, and the next call takes up after it. Returns the
-        stream, and the logits where the call that ran the last layer also ran the tail
-        (every row sampled, and the native norm and GEMV serve the tail's shapes)."""
-        kernels, h, first, step, logits = native.kernels(), torch.empty_like(x), 0, None, None
-        starts, lengths = batch.key_ranges
-        tables, gate = batch.rotary_tables(self.rotary), activation(self.spec)
-        stores = [batch.kv.rows(i) for i in range(len(self.layers))]
+    def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch,
+                       pick: Callable[[torch.Tensor], torch.Tensor | None]
+                       ) -> Generator[ReadsPending | None, None, None]:
+        """CPU decode steps, every layer through native calls (csrc/decode_layers.c): one
+        call for a whole step while the tokens' experts are resident (the steps back to back
+        under one hold on them); a layer that finds one missing pages its experts in waves,
+        and the next call takes up after it. The call that runs the last layer also runs the
+        tail where it can (every row sampled, and the native norm and GEMV serve the tail's
+        shapes); each step's logits go to `pick`, and the tokens it returns are the next
+        step's input."""
+        kernels, gate, num_layers = native.kernels(), activation(self.spec), len(self.layers)
+        h = torch.empty_like(x)
+        rows, kv_slots, starts = batch.decode_rows(self.rotary)
+        stores = [batch.kv.rows(i) for i in range(num_layers)]
         tail = (self._tail if self._tail is not None and batch.logits_indices is None
                 and native.takes(x, self.lm_head) and native.takes_norm(x, self.final_norm)
                 else None)
-        while first < len(self.layers):
+        step_index = 0
+
+        def next_step(logits: torch.Tensor | None) -> torch.Tensor | None:
+            """The step's logits picked from; the next step's stream, or None: the end."""
+            nonlocal step_index
+            step_index += 1
+            next_ids = pick(logits if logits is not None else self._logits(x, batch))
+            if next_ids is None or step_index == len(rows):
+                return None
+            return F.embedding(next_ids, self.embed)
+
+        first = 0
+        while True:
             with self.experts.holding() as hold:
-                step = step or self._step_layers(stores, hold.slot_of)
-                done, weights, ids, logits = kernels.decode_layers(
-                    step, first, x, h, tables, stores[0], batch.slot_mapping, batch.kv_slots,
-                    starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13, hold.b2,
-                    tail)
-                hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
-                                 ids.numpy().reshape(len(ids), -1)[first:done].tolist())
-            if done < len(self.layers):
-                x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
-                                             h, x, weights[done], ids[done])
+                layers = self._step_layers(stores, hold.slot_of)
+                while True:
+                    tables, slot_mapping, lengths = rows[step_index]
+                    done, weights, ids, logits = kernels.decode_layers(
+                        layers, first, x, h, tables, stores[0], slot_mapping, kv_slots,
+                        starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13,
+                        hold.b2, tail)
+                    hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
+                                     ids.numpy().reshape(len(ids), -1)[first:done].tolist())
+                    if done < num_layers:
+                        break
+                    first, x = 0, next_step(logits)
+                    if x is None:
+                        break
+            if x is None:
+                yield None
+                return
+            x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
+                                         h, x, weights[done], ids[done])
             yield None
             first = done + 1
-        return x, logits
+            if first == num_layers:                 # the last layer paged: the tail in torch
+                first, x = 0, next_step(None)
+                if x is None:
+                    return
 
     def _table_layers(self, x: torch.Tensor, batch: ForwardBatch
                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:

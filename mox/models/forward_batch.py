@@ -43,6 +43,25 @@ class PaddedLayout:
 
 
 @dataclass
+class DecodeAhead:
+    """A decode batch's steps run back to back (multi-step decode, mox.engine.scheduler),
+    step 0 the batch itself: step j's token of sequence s sits at `positions[j, s]`, its K/V
+    goes to `slot_mapping[j, s]`, and it attends to `kv_slots[starts[s] : starts[s] +
+    positions[j, s] + 1]` (each sequence's keys one run, as far as its last step reaches)."""
+
+    positions: torch.Tensor          # [N, S]
+    slot_mapping: torch.Tensor       # [N, S]
+    kv_slots: torch.Tensor           # [K'] every key of the last step
+    starts: torch.Tensor             # [S]
+    max_position: int                # largest entry of `positions` (host int)
+
+
+# One decode step's rows for the native calls: rotary (cos, sin), slot mapping `[S]`, and
+# each token's key count `[S]` (its keys' start is the batch's).
+StepRows = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] token ids
     positions: torch.Tensor          # [T] position of each token in its sequence
@@ -60,6 +79,7 @@ class ForwardBatch:
     # (starts, lengths) `[T]`: each token's keys in `kv_slots`, set when every sequence brings
     # one new token (decode), whose keys are then one run each
     key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
+    ahead: DecodeAhead | None = None         # set when the batch runs several decode steps
     _memo: dict = field(default_factory=dict, repr=False)   # per-batch memo: masks, rotary
 
     @property
@@ -78,6 +98,20 @@ class ForwardBatch:
         if tables is None:
             tables = self._memo["rotary"] = rotary.tables(self.positions, self.max_position)
         return tables
+
+    def decode_rows(self, rotary: Rotary) -> tuple[list[StepRows], torch.Tensor, torch.Tensor]:
+        """A decode batch's steps (one, or `ahead`'s): each step's rows, then the keys'
+        slots `[K]` and each sequence's first key `[S]` that every step shares."""
+        starts, lengths = self.key_ranges
+        ahead = self.ahead
+        if ahead is None:
+            return [(self.rotary_tables(rotary), self.slot_mapping, lengths)], self.kv_slots, starts
+        steps, seqs = ahead.positions.shape
+        cos, sin = rotary.tables(ahead.positions.flatten(), ahead.max_position)
+        lengths = ahead.positions + 1
+        rows = [((cos[j * seqs:(j + 1) * seqs], sin[j * seqs:(j + 1) * seqs]),
+                 ahead.slot_mapping[j], lengths[j]) for j in range(steps)]
+        return rows, ahead.kv_slots, ahead.starts
 
     def attention_mask(self, window: int | None) -> torch.Tensor | None:
         """`[T, K]` bool: a token sees its own sequence's keys at or before its position

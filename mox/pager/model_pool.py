@@ -60,7 +60,8 @@ class Hold:
     Meanwhile nothing is evicted, moved or grown, so an expert it shows keeps its slot; loads
     that commit only add experts, in slots of these pools (the native blocks still bound them
     by the pools' first dim, as a defence). The holder appends to `used` each layer it
-    computed from the slots, with its experts (counted as hits when the hold ends)."""
+    computed from the slots, with its experts (counted as hits when the hold ends; a layer
+    that comes again starts another model step)."""
 
     slot_of: torch.Tensor
     w13: torch.Tensor
@@ -74,6 +75,20 @@ class Hold:
     # [L, E] on the device, nonzero where the holder computed an expert through `table`:
     # read back once when the hold ends (its hits, and mapped experts to load into slots)
     device_used: torch.Tensor | None = None
+
+
+def _model_steps(layers: list[tuple[int, list[int]]]) -> list[list[tuple[int, list[int]]]]:
+    """A hold's layer steps, in order, cut into model steps: a layer that comes again starts
+    the next one (a hold may last several decode steps)."""
+    steps: list[list[tuple[int, list[int]]]] = []
+    seen: set[int] = set()
+    for layer in layers:
+        if not steps or layer[0] in seen:
+            steps.append([])
+            seen = set()
+        steps[-1].append(layer)
+        seen.add(layer[0])
+    return steps
 
 
 @dataclass(frozen=True)
@@ -214,9 +229,9 @@ class ModelPool(PagedPool):
         pool = self.slot_pool
         with self._lock:
             pool.holds -= 1
-            if hold.used:                                  # the layers in the order they ran
+            for step in _model_steps(hold.used):           # the layers in the order they ran
                 self._record_hits([(moe_layer, sorted(set(experts)))
-                                   for moe_layer, experts in hold.used])
+                                   for moe_layer, experts in step])
             if used:
                 self._record_table_use(hold.table, used)
             if not pool.holds:

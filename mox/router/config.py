@@ -11,6 +11,10 @@ from mox.errors import InvalidRequestError
 from mox.router.served_model import resolve_device
 
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
+# Decode steps a batch of decodes runs back to back when nothing else waits for the engine:
+# the steps' Python is paid once for these (bench/results/throughput-*.md), and a request
+# that arrives meanwhile waits at most this many steps for its prefill.
+DEFAULT_DECODE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class RouterConfig:
     max_batched_tokens: int = 256
     tpot_target_s: float | None = None    # the round the scheduler keeps (None: every model
                                           # with work runs; mox.engine.scheduler)
+    decode_steps: int = DEFAULT_DECODE_STEPS   # most decode steps a batch alone runs back to
+                                          # back (mox.engine.scheduler)
     prefetch: bool | None = None          # predictive expert prefetch (None: on for CUDA)
     direct_io: bool = True                # O_DIRECT reads (no page cache) where the filesystem
                                           # allows: the disk tier is really the disk
@@ -42,6 +48,9 @@ class RouterConfig:
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise InvalidRequestError(f"the TPOT target must be a positive time, not "
                                       f"{self.tpot_target_s!r} s", param="tpot_target")
+        if self.decode_steps < 1:
+            raise InvalidRequestError(f"decode_steps must be at least 1, not "
+                                      f"{self.decode_steps!r}", param="decode_steps")
 
     def one_ram_tier(self) -> RouterConfig:
         """The server's tiers on a CPU: expert slots and a host cache would be the same RAM,

@@ -83,7 +83,8 @@ class Router:
         self.pager = make_pager(self.device, config.host_memory, config.direct_io, clock)
         self.engine = Engine(config.kv_memory,
                              config=SchedulerConfig(max_batched_tokens=config.max_batched_tokens,
-                                                    tpot_target_s=config.tpot_target_s),
+                                                    tpot_target_s=config.tpot_target_s,
+                                                    decode_steps=config.decode_steps),
                              compute_threads=config.compute_threads,
                              io_busy=lambda: self.pager.loader.reader.busy)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)

@@ -103,3 +103,40 @@ def test_a_block_table_too_short_for_its_tokens_is_refused():
     batch.sequences[0].seq.block_table.pop()
     with pytest.raises(AssertionError, match="block"):
         _build(batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=5),
+       st.integers(2, 6))
+def test_later_decode_steps_follow_their_definition(seqs, steps):
+    """A decode batch run `steps` steps back to back (its blocks reserved for all of them):
+    each step's position and slot of every sequence's token, and its keys one run."""
+    shapes = []
+    for prompt, outputs in seqs:
+        computed = prompt + outputs - 1
+        spare = -(-(computed + steps) // BLOCK) - -(-(computed + 1) // BLOCK)
+        shapes.append((prompt, outputs, computed, 1, spare))
+    batch = _batch(shapes)
+    forward = ModelRunner(SimpleNamespace(device=torch.device("cpu")),
+                          SimpleNamespace(block_size=BLOCK)).build(batch, steps)
+    ahead = forward.ahead
+    slot = lambda seq, p: seq.block_table[p // BLOCK] * BLOCK + p % BLOCK    # noqa: E731
+    assert ahead.positions.shape == ahead.slot_mapping.shape == (steps, len(seqs))
+    for s, item in enumerate(batch.sequences):
+        start = int(ahead.starts[s])
+        for j in range(steps):
+            p = item.seq.num_computed_tokens + j
+            assert int(ahead.positions[j, s]) == p
+            assert int(ahead.slot_mapping[j, s]) == slot(item.seq, p)
+            assert ahead.kv_slots[start:start + p + 1].tolist() == [
+                slot(item.seq, q) for q in range(p + 1)]
+    assert ahead.max_position == int(ahead.positions.max())
+    assert ahead.positions[0].tolist() == forward.positions.tolist()      # step 0: the batch
+    assert ahead.slot_mapping[0].tolist() == forward.slot_mapping.tolist()
+
+
+def test_a_batch_with_a_prompt_plans_no_later_steps():
+    batch = _batch([(5, 2, 6, 1, 1), (6, 0, 0, 6, 1)])
+    forward = ModelRunner(SimpleNamespace(device=torch.device("cpu")),
+                          SimpleNamespace(block_size=BLOCK)).build(batch, 3)
+    assert forward.ahead is None

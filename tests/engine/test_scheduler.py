@@ -144,3 +144,36 @@ def test_every_request_finishes_and_a_full_round_never_grows(step_ms, target_ms,
             # a model joined a round that was not empty: the round stays within the target
             assert sum(step_s[m] for m in running | {model}) <= target_ms / 1000 + 1e-9
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
+
+
+def _decoding(scheduler: Scheduler, model: str, arrival: float, max_tokens: int) -> Sequence:
+    """A request of `model` past its prefill: its next step decodes one token."""
+    seq = _add(scheduler, model, arrival, max_tokens)
+    _step(scheduler, {model: 0.01})
+    assert seq.num_uncomputed_tokens == 1
+    return seq
+
+
+def test_a_decode_batch_alone_runs_several_steps_with_their_kv_reserved():
+    scheduler = _scheduler(["a"], None)
+    scheduler.config = SchedulerConfig(decode_steps=4)
+    seqs = [_decoding(scheduler, "a", t, max_tokens=20) for t in (1.0, 2.0)]
+    batch = scheduler.schedule()
+    assert batch.num_steps == 4
+    for seq in seqs:                 # KV for all four tokens, before the batch starts
+        assert len(seq.block_table) * 4 >= seq.num_computed_tokens + 4
+
+
+def test_steps_back_to_back_stop_at_max_tokens_and_wait_for_nothing_else():
+    scheduler = _scheduler(["a", "b"], None)
+    scheduler.config = SchedulerConfig(decode_steps=8)
+    seq = _decoding(scheduler, "a", 1.0, max_tokens=4)
+    # three tokens left: never more steps than the sequence may still generate
+    assert scheduler.schedule().num_steps == seq.params.max_tokens - seq.num_output_tokens == 3
+    scheduler.set_ready("b", False)
+    cold = _add(scheduler, "b", 2.0)     # waits for its weights, which land between steps
+    assert scheduler.schedule().num_steps == 1
+    scheduler.release(cold)
+    prompt = _add(scheduler, "a", 3.0)   # a prompt joins the batch: one step
+    batch = scheduler.schedule()
+    assert [s.seq for s in batch.sequences] == [seq, prompt] and batch.num_steps == 1

@@ -150,6 +150,24 @@ def test_a_hold_keeps_every_resident_expert_until_it_ends(ckpt):
             pass
 
 
+def test_a_hold_over_several_model_steps_counts_them_as_holds_one_a_step(ckpt):
+    """Decode steps run back to back under one hold (a layer that comes again starts the
+    next step): the miss-ratio curve and usage are those of one hold a step."""
+    steps = [[(0, [1, 2]), (1, [0, 3])], [(0, [2, 5]), (1, [3, 4])], [(0, [1, 5])]]
+    pools = [new_pool(ckpt, num_slots=16) for _ in range(2)]    # (fake clocks, both still)
+    for pool in pools:
+        pool.release(pool.acquire(0, range(8)))
+        pool.release(pool.acquire(1, range(8)))
+    with pools[0].holding() as hold:
+        hold.used += [layer for step in steps for layer in step]
+    for step in steps:
+        with pools[1].holding() as hold:
+            hold.used += step
+    assert pools[0].stats()["hits"] == pools[1].stats()["hits"] == 10
+    assert pools[0].miss_curve.counts.tolist() == pools[1].miss_curve.counts.tolist()
+    assert (pools[0].usage.steps == pools[1].usage.steps).all()
+
+
 def test_cpu_pools_resize_in_place_and_give_pages_back():
     from mox.pager.slot_pool import SlotPool
     pool = SlotPool(2, 8, 1024, 512, torch.bfloat16, CPU, num_slots=6)
