@@ -12,10 +12,10 @@ imported as `mox models import --quantize` writes it (quantized, then repacked e
              rounds that take every format back to back, each format first in turn, since
              this VM's disk reads 0.4-1.9 GB/s from one minute to the next: a ratio to bf16
              comes from one round, and a repeat's figure is its rounds' median
-  agreement  the demo models (GPT-OSS's fused experts aside), experts int8 vs bf16: share of
-             the first 32 greedy tokens that are equal (free-running: one flip changes all
-             after it), int8's top-1 at each of bf16's 32 positions (teacher-forced), and the
-             largest logit difference over those positions
+  agreement  the demo models (GPT-OSS's fused experts aside), experts int8 vs bf16, over 8
+             seeded prompts: share of the first 32 greedy tokens that are equal
+             (free-running: one flip changes all after it), int8's top-1 at each of bf16's 32
+             positions (teacher-forced), and the largest logit difference over those positions
 
     .venv/bin/python -m mox.bench.micro.quantized [--home DIR] [--repeats 2] [--out FILE]
         [--preset bench|experts]
@@ -50,6 +50,7 @@ BATCHES = (1, 8)
 COLD_LENGTHS = (8, 32)
 COLD_ROUNDS = 4       # per repeat and prompt length: every format once a round
 AGREEMENT_TOKENS = 32
+AGREEMENT_PROMPTS = 8
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]]) -> float:
@@ -83,30 +84,38 @@ def _cold_ttft(path: str, prompt: list[int]) -> float:
 
 
 def agreement(home: str) -> list[dict]:
-    """Per demo model: free-running greedy (share of the first 32 tokens equal, and where
-    they first differ) and teacher-forced (int8's argmax at each of bf16's 32 positions)."""
+    """Per demo model, over `AGREEMENT_PROMPTS` seeded 16-token prompts: free-running greedy
+    (share of the first 32 tokens equal, and where they first differ: the median prompt's)
+    and teacher-forced (int8's argmax at each of bf16's 32 positions), pooled over the
+    prompts; one prompt's 32 positions made the share move 3 points a flip."""
     rows = []
     architectures = tuple(a for a in DEMO_ARCHITECTURES if a != "gpt_oss")   # fused experts
     for name, path in ensure_demo_models(home, architectures=architectures).items():
         quantized = ensure_quantized(home, path, "int8")
-        prompt = list(range(5, 21))
-        runs = {}
-        for label, p in ((BF16, path), ("int8", quantized)):
-            llm = LLM(p)
-            runs[label] = (llm, llm.generate(prompt_token_ids=[prompt],
-                                             max_tokens=AGREEMENT_TOKENS, temperature=0.0,
-                                             ignore_eos=True)[0].token_ids)
-        base, quant = runs[BF16][1], runs["int8"][1]
-        forced = torch.tensor(prompt + base)
-        logits = {label: llm.model.forward(forced, llm.model.new_cache())[len(prompt) - 1:-1]
-                  .float() for label, (llm, _) in runs.items()}                 # [32, V]
-        first = next((i for i, (a, b) in enumerate(zip(base, quant)) if a != b), len(base))
-        rows.append({"model": name, "equal": sum(a == b for a, b in zip(base, quant)) / len(base),
-                     "first_difference": first,
-                     "forced": float((logits[BF16].argmax(-1) == logits["int8"].argmax(-1))
-                                     .float().mean()),
-                     "max_logit_diff": float((logits[BF16] - logits["int8"]).abs().max()),
-                     "logit_range": float(logits[BF16].abs().max())})
+        llms = {BF16: LLM(path), "int8": LLM(quantized)}
+        rng = random.Random(0)
+        vocab = Checkpoint(path).spec.vocab_size
+        equal, firsts, forced, max_diff, logit_range = [], [], [], 0.0, 0.0
+        for _ in range(AGREEMENT_PROMPTS):
+            prompt = [rng.randrange(vocab) for _ in range(16)]
+            base, quant = (llm.generate(prompt_token_ids=[prompt], max_tokens=AGREEMENT_TOKENS,
+                                        temperature=0.0, ignore_eos=True)[0].token_ids
+                           for llm in llms.values())
+            teacher = torch.tensor(prompt + base)
+            logits = {label: llm.model.forward(teacher, llm.model.new_cache())[
+                len(prompt) - 1:-1].float() for label, llm in llms.items()}        # [32, V]
+            equal.append(sum(a == b for a, b in zip(base, quant)) / len(base))
+            firsts.append(next((i for i, (a, b) in enumerate(zip(base, quant)) if a != b),
+                               len(base)))
+            forced.append(float((logits[BF16].argmax(-1) == logits["int8"].argmax(-1))
+                                .float().mean()))
+            max_diff = max(max_diff, float((logits[BF16] - logits["int8"]).abs().max()))
+            logit_range = max(logit_range, float(logits[BF16].abs().max()))
+        rows.append({"model": name, "equal": statistics.mean(equal),
+                     "first_difference": statistics.median(firsts),
+                     "forced": statistics.mean(forced), "forced_per_prompt": forced,
+                     "max_logit_diff": max_diff, "logit_range": logit_range})
+        del llms
     return rows
 
 
@@ -168,7 +177,8 @@ def markdown(r: dict, argv: list[str]) -> str:
                       _runs([statistics.median(v / w for v, w in zip(rounds, base_rounds))
                              for rounds, base_rounds in zip(runs, ref)], fmt="{:.2f}x")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Agreement, int8 experts vs bf16 (demo models, greedy, 16-token prompt):", "",
+    lines += ["", f"Agreement, int8 experts vs bf16 (demo models, greedy, {AGREEMENT_PROMPTS} "
+              "seeded 16-token prompts pooled; first difference: the median prompt's):", "",
               "| model | free-running: first 32 equal | first difference at | teacher-forced "
               "top-1 equal | max logit diff (forced) | max abs logit |",
               "|---|---|---|---|---|---|"]
