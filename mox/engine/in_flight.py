@@ -4,10 +4,11 @@ waits for expert reads (mox.pager.pending) while the engine steps other models.
 Design note.
 - The runner's `steps(batch)` is a generator: it yields None at each layer boundary (a CPU
   decode step whose layers run in native calls, mox/models/decoder.py's `_decode_layers`,
-  yields after each call: once, at its end, when every expert it routes to is resident) and a
-  `ReadsPending` where a layer's routed experts are still being read, and returns the sampled
-  tokens at its end. The engine gives each slice to the oldest step in flight that can go on,
-  so a step parked on reads resumes within a slice of their landing; only when every step in
+  yields after each call: once, at its end, when every expert it routes to is resident; once
+  for several decode steps run back to back) and a `ReadsPending` where a layer's routed
+  experts are still being read, and returns the sampled tokens at its end, a list per step.
+  The engine gives each slice to the oldest step in flight that can go on, so a step parked
+  on reads resumes within a slice of their landing; only when every step in
   flight waits for reads does another model's batch start (the scheduler skips a model with a
   step in flight), and with nothing else to run the oldest resumes at once and blocks on its
   reads (as every step did before).
