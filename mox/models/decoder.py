@@ -200,23 +200,24 @@ class MoEDecoder:
         tail = (self._tail if self._tail is not None and batch.logits_indices is None
                 and native.takes(x, self.lm_head) and native.takes_norm(x, self.final_norm)
                 else None)
-        step_index = 0
+        step, first, going = 0, 0, True
 
-        def next_step(logits: torch.Tensor | None) -> torch.Tensor | None:
-            """The step's logits picked from; the next step's stream, or None: the end."""
-            nonlocal step_index
-            step_index += 1
+        def finish_step(logits: torch.Tensor | None) -> bool:
+            """Step `step` ran its last layer (`logits` None: its tail runs in torch here):
+            its tokens picked; whether another step follows (its stream then in `x`)."""
+            nonlocal step, x
             next_ids = pick(logits if logits is not None else self._logits(x, batch))
-            if next_ids is None or step_index == len(rows):
-                return None
-            return F.embedding(next_ids, self.embed)
+            step += 1
+            if next_ids is None or step == len(rows):
+                return False
+            x = F.embedding(next_ids, self.embed)
+            return True
 
-        first = 0
-        while True:
+        while going:
             with self.experts.holding() as hold:
                 layers = self._step_layers(stores, hold.slot_of)
-                while True:
-                    tables, slot_mapping, lengths = rows[step_index]
+                while going:                        # steps back to back while resident
+                    tables, slot_mapping, lengths = rows[step]
                     done, weights, ids, logits = kernels.decode_layers(
                         layers, first, x, h, tables, stores[0], slot_mapping, kv_slots,
                         starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13,
@@ -225,20 +226,14 @@ class MoEDecoder:
                                      ids.numpy().reshape(len(ids), -1)[first:done].tolist())
                     if done < num_layers:
                         break
-                    first, x = 0, next_step(logits)
-                    if x is None:
-                        break
-            if x is None:
-                yield None
-                return
-            x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
-                                         h, x, weights[done], ids[done])
+                    first, going = 0, finish_step(logits)
+            if done < num_layers:                   # layer `done` missed: page it, go on after
+                x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
+                                             h, x, weights[done], ids[done])
+                first = done + 1
+                if first == num_layers:
+                    first, going = 0, finish_step(None)
             yield None
-            first = done + 1
-            if first == num_layers:                 # the last layer paged: the tail in torch
-                first, x = 0, next_step(None)
-                if x is None:
-                    return
 
     def _table_layers(self, x: torch.Tensor, batch: ForwardBatch
                       ) -> Generator[ReadsPending | None, None, torch.Tensor]:
