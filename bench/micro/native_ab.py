@@ -40,7 +40,7 @@ RESULTS_DIR = Path(__file__).parent.parent / "results"
 CYCLED_BYTES = 256 << 20          # the GEMV's matrices together: well past the L3
 GEMV_SHAPES = {"gate+up [1024, 1024]": (1024, 1024), "attention qkv [3072, 1024]": (3072, 1024),
                "lm_head [32000, 1024]": (32000, 1024)}
-GEMV_ROWS = (1, 2, 4, 8, 32)
+GEMV_ROWS = (1, 2, 4, 8, 16, 32)
 MOE_TOKENS = (1, 8, 32)
 HIDDEN, INTER, SLOTS, TOP_K = 1024, 512, 64, 8
 PASSES = 5

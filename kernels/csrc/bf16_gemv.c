@@ -53,14 +53,20 @@ static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int
 static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
                  int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out,
                  int isa) {
-    if (isa == ISA_AVX2) {             /* three weight rows at a time against every x row */
+    /* tiles of weight rows against every x row: AVX2's three (widened x), AVX512-BF16's four
+     * from two x rows on */
+    if (isa == ISA_AVX2 || (isa == ISA_AVX512BF16 && M >= TILE_MIN_ROWS)) {
+        int64_t step = isa == ISA_AVX2 ? 3 : 4;
         #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n += 3) {
-            int nr = N - n < 3 ? (int)(N - n) : 3;
-            float sums[3 * M];                   /* M <= MAX_GEMV_ROWS: 12 KiB of stack */
-            tiles_avx2(xf, ldx, M, w + n * ldw, ldw, nr, sums, 3, K);
+        for (int64_t n = 0; n < N; n += step) {
+            int nr = N - n < step ? (int)(N - n) : (int)step;
+            float sums[4 * M];                   /* M <= MAX_GEMV_ROWS: 16 KiB of stack */
+            if (isa == ISA_AVX2)
+                tiles_avx2(xf, ldx, M, w + n * ldw, ldw, nr, sums, 4, K);
+            else
+                tiles_avx512(x, ldx, M, w + n * ldw, ldw, nr, sums, 4, K);
             for (int j = 0; j < nr; j++)
-                store(y, ldy, n + j, sums + j, 3, M, out);
+                store(y, ldy, n + j, sums + j, 4, M, out);
         }
         return;
     }

@@ -120,6 +120,11 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
                    n1 - n0, out, ldy, K);
         return;
     }
+    if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16 && count >= TILE_MIN_ROWS) {
+        tiles_avx512(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
+                     n1 - n0, out, ldy, K);
+        return;
+    }
     if (p.kind != WEIGHTS_BF16 && p.kind != WEIGHTS_FP8) {
         integer_rows(qx, first, count, p, s, n0, n1, out, ldy, K, isa != ISA_PLAIN);
         return;
