@@ -12,6 +12,7 @@ from mox.errors import AdmissionError, ModelUnavailableError, MoxError, RequestT
 from mox.messages import FinishReason, ModelSettings, ModelState, Request
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.router.memory_policy import TURN_S
+from mox.router.timeline import DecodeCosts, StepRecord
 from mox.sampling import SamplingParams
 
 STEP_S = 0.05                     # simulated seconds per engine step
@@ -102,9 +103,19 @@ def test_slots_follow_a_shift_of_traffic(hf_checkpoints):
     assert pools["b"] > pools["a"] and pools["a"] < slots_a     # (within budget: `_step`)
 
 
+class UnmeasuredCosts(DecodeCosts):
+    """Decode costs that ignore the steps' wall-clock seconds: the planner then prices a run
+    size at its defaults. Measured, a miss cost 0.2 ms in one run and 4 ms in the next (the
+    I/O threads' timing), which moved the run sizes, hence the plans, from run to run."""
+
+    def add(self, r: StepRecord) -> None:
+        pass
+
+
 def test_steady_traffic_does_not_thrash(hf_checkpoints):
     clock = FakeClock()
     router = _router(hf_checkpoints, clock=clock, experts=10)
+    router.timeline.costs = UnmeasuredCosts()
     history = []
     for period in range(12):
         ids = [f"{m}{period}" for m in "ab"]
@@ -117,7 +128,7 @@ def test_steady_traffic_does_not_thrash(hf_checkpoints):
         history.append(tuple(router.models[n].pool.num_slots for n in "ab"))
     steady = history[4:]
     changes = sum(x != y for x, y in zip(steady, steady[1:]))
-    assert changes <= 1, history
+    assert changes <= 1, f"{history}"   # a string: pytest shows it whole
 
 
 def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
