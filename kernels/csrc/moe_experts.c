@@ -24,12 +24,16 @@
 #include "quant_rows.h"
 #include "exported.h"
 
-/* Weight rows a thread claims at a time: whole QBLOCKs. Each claim is a run of memory the
- * prefetchers must ramp up on again; claims of 64 rows (128 KiB of a bench expert's gate
- * rows, then its up rows) read 1.03-1.22x slower than 128, 256 or 512 (native_ab, bench
- * expert shapes, 1 / 8 / 32 tokens; AMD EPYC Zen 4). 128 keeps the wait at the barrier
- * between the two passes (at most one claim) small. */
-#define CHUNK_ROWS 128
+/* Weight rows a thread claims at a time (whole QBLOCKs): CHUNK_ROWS, or LONG_CHUNK_ROWS in a
+ * call over LONG_CHUNK_MIN_EXPERTS experts or more. Each claim is a run of memory the
+ * prefetchers ramp up on again, and 128-row claims read a bench expert's weights 1.03-1.22x
+ * faster in native_ab (1 / 8 / 32 tokens, AMD EPYC Zen 4); but in whole decode steps
+ * (step_ab, two runs) they made one sequence's native calls 1.04x slower, where 4 experts a
+ * layer give the two threads a few claims each to even out at the barrier between the
+ * passes, and eight sequences' (about 26 experts) 0.97x faster. */
+#define CHUNK_ROWS 64
+#define LONG_CHUNK_ROWS 128
+#define LONG_CHUNK_MIN_EXPERTS 8
 
 int mox_has_avx512vnni(void) {
     __builtin_cpu_init();
@@ -163,7 +167,7 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
  * Out: `down` [P, H] f32 = row_weight * (act(gate, up) @ w2[s]^T (+ b2)); act: SiLU(gate) * up
  * or the clamped SwiGLU, on gate_up (+ b13) (`gating`, NULL: SiLU). Scratch: `gate_up`
  * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, in chunks of
- * CHUNK_ROWS rows claimed by the threads. */
+ * `chunk` rows claimed by the threads. */
 int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
                     const int64_t *slots, const int64_t *starts, const int64_t *counts,
                     int64_t num_active, const float *row_weights, int64_t H, int64_t I,
@@ -209,10 +213,10 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         free(act_f);
         return -2;
     }
-    int64_t gate_chunks = (I + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    int64_t down_chunks = (H + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int64_t chunk = num_active >= LONG_CHUNK_MIN_EXPERTS ? LONG_CHUNK_ROWS : CHUNK_ROWS;
+    int64_t gate_chunks = (I + chunk - 1) / chunk, down_chunks = (H + chunk - 1) / chunk;
     /* Two passes over the weights with one barrier between them (the down rows read every
-     * activation). A thread claims CHUNK_ROWS gate rows and the same up rows at a time and
+     * activation). A thread claims `chunk` gate rows and the same up rows at a time and
      * finishes their activations itself, so no barrier sits between gate_up and act; claims
      * are dynamic because on a VM the two threads rarely get equal shares of the memory
      * bus, and under a static split the first one done waits at the barrier. */
@@ -226,8 +230,8 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < num_active * gate_chunks; j++) {
-            int64_t a = j / gate_chunks, i0 = (j % gate_chunks) * CHUNK_ROWS;
-            int64_t i1 = i0 + CHUNK_ROWS < I ? i0 + CHUNK_ROWS : I;
+            int64_t a = j / gate_chunks, i0 = (j % gate_chunks) * chunk;
+            int64_t i1 = i0 + chunk < I ? i0 + chunk : I;
             float *gu = gate_up + starts[a] * n13;
             /* gate rows, then the same up rows */
             pool_rows_block(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], i0, i1,
@@ -243,8 +247,8 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < num_active * down_chunks; j++) {
-            int64_t a = j / down_chunks, h0 = (j % down_chunks) * CHUNK_ROWS;
-            int64_t h1 = h0 + CHUNK_ROWS < H ? h0 + CHUNK_ROWS : H;
+            int64_t a = j / down_chunks, h0 = (j % down_chunks) * chunk;
+            int64_t h1 = h0 + chunk < H ? h0 + chunk : H;
             pool_rows_block(act, act_f, &q2, starts[a], counts[a], p2, slots[a], h0, h1,
                             down + starts[a] * H + h0, H, I, isa);
             for (int64_t h = h0; h < h1; h++) {
