@@ -61,15 +61,18 @@ def _experts(num_slots: int, hidden: int, inter: int):
 
 
 @pytest.mark.parametrize("fast", PATHS)
-@pytest.mark.parametrize("counts", [[1], [2, 1, 3], [9, 1], [17, 4, 1, 1]])
+# eight experts: the kernel's longer claims (moe_experts.c's LONG_CHUNK_MIN_EXPERTS); H and I
+# not multiples of either claim size, so the last claims are short
+@pytest.mark.parametrize("counts", [[1], [2, 1, 3], [9, 1], [17, 4, 1, 1],
+                                    [1, 2, 1, 1, 6, 1, 1, 1]])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu-biases"])
 def test_moe_experts_matches_the_reference(fast, counts, gpt_oss):
-    hidden, inter, num_slots = 64, 96, 6
+    hidden, inter, num_slots = 192, 160, 9
     w13, w2 = _experts(num_slots, hidden, inter)
     activation = Activation(CLAMPED_SWIGLU, limit=0.5) if gpt_oss else Activation(SILU)
     b13, b2 = ((_bf16(num_slots, 2 * inter, seed=10), _bf16(num_slots, hidden, seed=11))
                if gpt_oss else (None, None))
-    slots = [5, 0, 3, 2][:len(counts)]
+    slots = [5, 0, 3, 2, 8, 1, 7, 4][:len(counts)]
     num_rows = sum(counts)
     rows = _bf16(num_rows, hidden, seed=8)
     weights = torch.rand(num_rows, generator=torch.Generator().manual_seed(9))
