@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,16 +25,19 @@
 #include "quant_rows.h"
 #include "exported.h"
 
-/* Weight rows a thread claims at a time (whole QBLOCKs): CHUNK_ROWS, or LONG_CHUNK_ROWS in a
- * call over LONG_CHUNK_MIN_EXPERTS experts or more. Each claim is a run of memory the
- * prefetchers ramp up on again, and 128-row claims read a bench expert's weights 1.03-1.22x
- * faster in native_ab (1 / 8 / 32 tokens, AMD EPYC Zen 4); but in whole decode steps
- * (step_ab, two runs) they made one sequence's native calls 1.04x slower, where 4 experts a
- * layer give the two threads a few claims each to even out at the barrier between the
- * passes, and eight sequences' (about 26 experts) 0.97x faster. */
+/* How the threads share a call's experts. While many experts remain, a thread claims a whole
+ * expert and computes it alone: its gate rows, up rows, activations and down rows, three runs
+ * of 1 MiB for a bench expert that the prefetchers follow at the memory's full rate, with no
+ * barrier (an expert's down rows read only its own activations). The last TAIL_PER_THREAD
+ * experts per thread are shared finely, CHUNK_ROWS weight rows a claim (whole QBLOCKs) in two
+ * passes with a barrier between them, so the threads finish together: on a VM the two rarely
+ * get equal shares of the memory bus. This VM's memory (AMD EPYC Zen 4, two threads) streams
+ * at ~31 GB/s for minutes, then 45-56 for a while: 128-row claims throughout (one barrier a
+ * call) read experts at 0.93-0.96x a plain stream's rate in the slow spells, 0.64-0.72x in
+ * the fast ones; whole experts, 0.95-0.98x and 0.79-0.80x (8 and 32 tokens, bench shapes,
+ * alternated; 256-row claims throughout: 0.69-0.72x in the fast spells). */
 #define CHUNK_ROWS 64
-#define LONG_CHUNK_ROWS 128
-#define LONG_CHUNK_MIN_EXPERTS 8
+#define TAIL_PER_THREAD 2
 
 int mox_has_avx512vnni(void) {
     __builtin_cpu_init();
@@ -159,6 +163,50 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
     }
 }
 
+/* What one call's claims share: its rows, pools and scratch (mox_moe_experts' arguments) */
+typedef struct {
+    const uint16_t *rows;
+    const float *rows_f, *row_weights;
+    const qrows_t *q13, *q2;
+    pool_t p13, p2;
+    const gating_t *g;
+    const int64_t *slots, *starts, *counts;
+    int64_t H, I;
+    float *gate_up, *act_f, *down;
+    uint16_t *act;
+    int quantized, packed, isa;
+} experts_t;
+
+/* gate rows [i0, i1) of active slot a, the same up rows, and their activations (quantized
+ * for the integer formats: [i0, i1) is whole blocks of QBLOCK values) */
+static void gate_up_rows(const experts_t *e, int64_t a, int64_t i0, int64_t i1) {
+    int64_t first = e->starts[a], count = e->counts[a], I = e->I, n13 = 2 * I;
+    float *gu = e->gate_up + first * n13;
+    pool_rows_block(e->rows, e->rows_f, e->q13, first, count, e->p13, e->slots[a], i0, i1,
+                    gu + i0, n13, e->H, e->isa);
+    pool_rows_block(e->rows, e->rows_f, e->q13, first, count, e->p13, e->slots[a], I + i0,
+                    I + i1, gu + I + i0, n13, e->H, e->isa);
+    activate_rows(e->g, e->slots[a], first, count, i0, i1, I, e->gate_up, e->act, e->act_f);
+    if (e->quantized)
+        for (int64_t p = first; p < first + count; p++)
+            quantize_row(e->act + p * I + i0, i1 - i0, e->packed, e->q2->q + p * I + i0,
+                         e->q2->scale + p * (I / QBLOCK) + i0 / QBLOCK,
+                         e->q2->sum32 + p * (I / 32) + i0 / 32);
+}
+
+/* down rows [h0, h1) of active slot a (+ bias), each output row scaled by its routing weight */
+static void down_rows(const experts_t *e, int64_t a, int64_t h0, int64_t h1) {
+    int64_t first = e->starts[a], count = e->counts[a], H = e->H;
+    pool_rows_block(e->act, e->act_f, e->q2, first, count, e->p2, e->slots[a], h0, h1,
+                    e->down + first * H + h0, H, e->I, e->isa);
+    for (int64_t h = h0; h < h1; h++) {
+        float *out = e->down + first * H + h;
+        float bias = bias_at(e->g->b2, e->g->b2_stride, e->slots[a], h);
+        for (int64_t c = 0; c < count; c++)
+            out[c * H] = (out[c * H] + bias) * e->row_weights[first + c];
+    }
+}
+
 /* The gated experts of one MoE layer for a few rows each (decode), in one call (moe_block.c
  * calls it after routing).
  * `rows` [P, H] bf16: the tokens' hidden states gathered and sorted by slot; active slot a
@@ -166,8 +214,8 @@ static void activate_rows(const gating_t *g, int64_t slot, int64_t first, int64_
  * w13 slot s ([2I, H]: gate rows, then up rows), w2 ([H, I]).
  * Out: `down` [P, H] f32 = row_weight * (act(gate, up) @ w2[s]^T (+ b2)); act: SiLU(gate) * up
  * or the clamped SwiGLU, on gate_up (+ b13) (`gating`, NULL: SiLU). Scratch: `gate_up`
- * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, in chunks of
- * `chunk` rows claimed by the threads. */
+ * [P, 2I] f32, `act` [P, I] bf16. Each weight is read once, in memory order, by the thread
+ * that claimed its expert or its chunk of rows (TAIL_PER_THREAD). */
 int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
                     const int64_t *slots, const int64_t *starts, const int64_t *counts,
                     int64_t num_active, const float *row_weights, int64_t H, int64_t I,
@@ -198,7 +246,7 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
                                                        || H % p13.group || I % p13.group))
                       || (p13.kind == WEIGHTS_MXFP4 && p13.group != 32)))
         return -1;
-    int64_t n13 = 2 * I, num_rows = 0;
+    int64_t num_rows = 0;
     for (int64_t a = 0; a < num_active; a++)
         num_rows += counts[a];
     qrows_t q13 = {0}, q2 = {0};
@@ -213,13 +261,12 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         free(act_f);
         return -2;
     }
-    int64_t chunk = num_active >= LONG_CHUNK_MIN_EXPERTS ? LONG_CHUNK_ROWS : CHUNK_ROWS;
-    int64_t gate_chunks = (I + chunk - 1) / chunk, down_chunks = (H + chunk - 1) / chunk;
-    /* Two passes over the weights with one barrier between them (the down rows read every
-     * activation). A thread claims `chunk` gate rows and the same up rows at a time and
-     * finishes their activations itself, so no barrier sits between gate_up and act; claims
-     * are dynamic because on a VM the two threads rarely get equal shares of the memory
-     * bus, and under a static split the first one done waits at the barrier. */
+    experts_t e = {rows, rows_f, row_weights, &q13, &q2, p13, p2, g, slots, starts, counts, H,
+                   I, gate_up, act_f, down, act, quantized, packed, isa};
+    int64_t tail = TAIL_PER_THREAD * omp_get_max_threads();
+    int64_t whole = num_active > tail ? num_active - tail : 0;   /* experts claimed whole */
+    int64_t gate_chunks = (I + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int64_t down_chunks = (H + CHUNK_ROWS - 1) / CHUNK_ROWS;
     #pragma omp parallel
     {
         if (quantized) {
@@ -228,35 +275,22 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
                 quantize_row(rows + p * H, H, packed, q13.q + p * H,
                              q13.scale + p * (H / QBLOCK), q13.sum32 + p * (H / 32));
         }
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t a = 0; a < whole; a++) {
+            gate_up_rows(&e, a, 0, I);
+            down_rows(&e, a, 0, H);
+        }
+        /* the tail: gate and up rows a chunk at a claim, then (after the barrier: the down
+         * rows read every activation of their expert) the down rows */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < num_active * gate_chunks; j++) {
-            int64_t a = j / gate_chunks, i0 = (j % gate_chunks) * chunk;
-            int64_t i1 = i0 + chunk < I ? i0 + chunk : I;
-            float *gu = gate_up + starts[a] * n13;
-            /* gate rows, then the same up rows */
-            pool_rows_block(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], i0, i1,
-                            gu + i0, n13, H, isa);
-            pool_rows_block(rows, rows_f, &q13, starts[a], counts[a], p13, slots[a], I + i0,
-                            I + i1, gu + I + i0, n13, H, isa);
-            activate_rows(g, slots[a], starts[a], counts[a], i0, i1, I, gate_up, act, act_f);
-            if (quantized)                   /* a chunk is whole blocks of QBLOCK values */
-                for (int64_t p = starts[a]; p < starts[a] + counts[a]; p++)
-                    quantize_row(act + p * I + i0, i1 - i0, packed, q2.q + p * I + i0,
-                                 q2.scale + p * (I / QBLOCK) + i0 / QBLOCK,
-                                 q2.sum32 + p * (I / 32) + i0 / 32);
+        for (int64_t j = 0; j < (num_active - whole) * gate_chunks; j++) {
+            int64_t i0 = (j % gate_chunks) * CHUNK_ROWS, i1 = i0 + CHUNK_ROWS;
+            gate_up_rows(&e, whole + j / gate_chunks, i0, i1 < I ? i1 : I);
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t j = 0; j < num_active * down_chunks; j++) {
-            int64_t a = j / down_chunks, h0 = (j % down_chunks) * chunk;
-            int64_t h1 = h0 + chunk < H ? h0 + chunk : H;
-            pool_rows_block(act, act_f, &q2, starts[a], counts[a], p2, slots[a], h0, h1,
-                            down + starts[a] * H + h0, H, I, isa);
-            for (int64_t h = h0; h < h1; h++) {
-                float *out = down + starts[a] * H + h;
-                float bias = bias_at(g->b2, g->b2_stride, slots[a], h);
-                for (int64_t c = 0; c < counts[a]; c++)
-                    out[c * H] = (out[c * H] + bias) * row_weights[starts[a] + c];
-            }
+        for (int64_t j = 0; j < (num_active - whole) * down_chunks; j++) {
+            int64_t h0 = (j % down_chunks) * CHUNK_ROWS, h1 = h0 + CHUNK_ROWS;
+            down_rows(&e, whole + j / down_chunks, h0, h1 < H ? h1 : H);
         }
     }
     qrows_free(&q13);

@@ -61,8 +61,8 @@ def _experts(num_slots: int, hidden: int, inter: int):
 
 
 @pytest.mark.parametrize("fast", PATHS)
-# eight experts: the kernel's longer claims (moe_experts.c's LONG_CHUNK_MIN_EXPERTS); H and I
-# not multiples of either claim size, so the last claims are short
+# eight experts: the first claimed whole, the last TAIL_PER_THREAD per thread (moe_experts.c)
+# in chunks of rows; H and I not multiples of the chunk, so the last claims are short
 @pytest.mark.parametrize("counts", [[1], [2, 1, 3], [9, 1], [17, 4, 1, 1],
                                     [1, 2, 1, 1, 6, 1, 1, 1]])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu-biases"])

@@ -203,8 +203,16 @@ def test_native_quantized_experts_match_the_dequantized_definition(fmt, fast):
     scratch = [torch.empty(num_rows, 2 * inter), torch.empty(num_rows, inter,
                                                              dtype=torch.bfloat16),
                torch.empty(num_rows, hidden)]
+    threads = torch.get_num_threads()
+    try:                # one thread: the first expert is claimed whole (moe_experts.c's
+        torch.set_num_threads(1)        # TAIL_PER_THREAD), the last two shared in chunks
+        one = NATIVE.moe_experts(rows, data13, data2, list(zip(slots, counts)), row_weights,
+                                 scratch, fast=fast, scales=scales).clone()
+    finally:
+        torch.set_num_threads(threads)
     got = NATIVE.moe_experts(rows, data13, data2, list(zip(slots, counts)), row_weights,
                              scratch, fast=fast, scales=scales)
+    assert torch.equal(one, got)        # (each output sums the same terms in the same order)
     dq13, dq2 = dequantize_experts(data13, data2, scales, torch.arange(5), torch.float32)
     slot_of_row = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
     activations = (lambda t: t.float()) if fmt.kind == "fp8" else _int8_blocks
