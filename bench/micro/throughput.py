@@ -86,21 +86,26 @@ def timed(fn, repeats: int = REPEATS, warm_up: bool = True) -> list[float]:
     return times
 
 
-def bandwidths() -> dict:
+class ReadRates:
     """GB/s read: `dst.copy_(src)` and `x[1, H] @ src.view(-1, H).T` (a read-only GEMV, as
-    batch-1 decode reads weights; torch's, and the native kernel's), the median of five
+    batch-1 decode reads weights; torch's, and the native kernel's), the median of a few
     1 GiB passes."""
-    # random bytes: pages of one repeated value may be merged by the host (KSM) and read
-    # from cache (an all-ones buffer "read" at 60 GB/s here, twice the memory's rate)
-    src = torch.randn(COPY_BYTES // 2, dtype=torch.float32).to(torch.bfloat16)
-    dst, x = torch.empty_like(src), torch.randn(1, 1024).to(torch.bfloat16)
-    ops = {"copy_gbps": lambda: dst.copy_(src), "gemv_gbps": lambda: F.linear(x, src.view(
-        -1, 1024))}
-    if native.kernels() is not None and native.kernels().fast:
-        ops["native_gbps"] = lambda: native.kernels().gemv(x, src.view(-1, 1024))
-    # the median pass, not the best: a rare pass "read" at twice the memory's rate here
-    return {name: COPY_BYTES / statistics.median(timed(op, 5)) / 1e9
-            for name, op in ops.items()}
+
+    def __init__(self) -> None:
+        # random bytes: pages of one repeated value may be merged by the host (KSM) and read
+        # from cache (an all-ones buffer "read" at 60 GB/s here, twice the memory's rate)
+        self.src = torch.randn(COPY_BYTES // 2, dtype=torch.float32).to(torch.bfloat16)
+        self.dst, self.x = torch.empty_like(self.src), torch.randn(1, 1024).to(torch.bfloat16)
+
+    def __call__(self, passes: int = 5) -> dict[str, float]:
+        src, dst, x = self.src, self.dst, self.x
+        ops = {"copy_gbps": lambda: dst.copy_(src), "gemv_gbps": lambda: F.linear(x, src.view(
+            -1, 1024))}
+        if native.kernels() is not None and native.kernels().fast:
+            ops["native_gbps"] = lambda: native.kernels().gemv(x, src.view(-1, 1024))
+        # the median pass, not the best: a rare pass "read" at twice the memory's rate here
+        return {name: COPY_BYTES / statistics.median(timed(op, passes)) / 1e9
+                for name, op in ops.items()}
 
 
 def step_bytes(ckpt: Checkpoint, num_seqs: int) -> tuple[int, float]:
@@ -154,13 +159,17 @@ def one_step(llm: LLM):
         scheduler.config = config
 
 
-def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> dict:
-    """Decode tokens/s per variant and repeat, ratios, and greedy agreement (first repeat)."""
+def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int,
+            read_rates: ReadRates) -> dict:
+    """Decode tokens/s per variant and repeat, ratios, and greedy agreement (first repeat);
+    the best read rate measured right before each repeat's mox run (`gbps_beside_mox`)."""
     for run in runs.values():
         run(prompts, 3)                                              # warm-up at this shape
-    rates, tokens, names = {name: [] for name in runs}, {}, list(runs)
+    rates, tokens, names, beside = {name: [] for name in runs}, {}, list(runs), []
     for rep in range(repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
+            if name == "mox":
+                beside.append(max(read_rates(3).values()))
             start = time.perf_counter()
             runs[name](prompts, 1)
             middle = time.perf_counter()
@@ -181,7 +190,8 @@ def measure(runs: dict, prompts: list[list[int]], decode: int, repeats: int) -> 
             "ratio": statistics.median(ratios), "ratio_per_repeat": ratios,
             "vs_previous": statistics.median(vs_previous),
             "vs_one_step": statistics.median(vs_one_step), "vs_one_step_per_repeat": vs_one_step,
-            "tok_s_per_repeat": rates, f"first_{AGREE}_tokens_agree": agree}
+            "tok_s_per_repeat": rates, f"first_{AGREE}_tokens_agree": agree,
+            "gbps_beside_mox": beside}
 
 
 def decode_step(llm: LLM, prompts: list[list[int]], stub_kernels: bool = False,
@@ -336,12 +346,16 @@ def write_markdown(path: Path, r: dict) -> None:
              "mox-one-step: mox running one decode step per engine step (decode_steps=1, as "
              "before multi-step decode); mox-torch-paths: mox with its native kernels off (the "
              "paths before them); same run."
-             " Bound: a step's weight bytes / the best read rate measured (best_gbps).", "",
+             " Bound: a step's weight bytes / the best read rate measured (best_gbps)."
+             " This VM's memory streams at ~31 GB/s for minutes, then at 45-56 for a while, so"
+             " the run's best rate and mox's runs may fall in different spells: the next"
+             " column divides each repeat's mox step by the bound at the best rate measured"
+             " right before it (median; those rates in brackets).", "",
              "| seqs | " + " | ".join(f"{v} tok/s" for v in variants) + " | mox / baseline "
              "(target) | mox / mox-one-step | mox / mox-torch-paths | bound tok/s | step / "
-             "bound (target) | first "
+             "bound (target) | step / bound beside mox (GB/s) | first "
              f"{AGREE} tokens agree: mox~eager, mox~grouped_mm, eager~grouped_mm |",
-             "|" + " --- |" * (len(variants) + 7)]
+             "|" + " --- |" * (len(variants) + 8)]
     for n, s in r["concurrency"].items():
         cells = " | ".join(f"{s['tok_s'][v]:.1f} ({s['best_tok_s'][v]:.1f})" for v in variants)
         hf_target = (f" (>= {HF_TARGETS[int(n)]}: " + (
@@ -355,7 +369,8 @@ def write_markdown(path: Path, r: dict) -> None:
         lines.append(f"| {n} | {cells} | {s['ratio']:.2f} vs {s['baseline']}{hf_target} | "
                      f"{s['vs_one_step']:.2f} | {s['vs_previous']:.2f} | "
                      f"{s['bound_tok_s']:.0f} | {over:.2f}"
-                     f"{bound_target} | {agree} |")
+                     f"{bound_target} | {s['over_beside']:.2f} ("
+                     + ", ".join(f"{g:.0f}" for g in s["gbps_beside_mox"]) + f") | {agree} |")
     lines += ["", f"Batch 1: mox {b['mox_ms']:.1f} ms/token, baseline {b['baseline_ms']:.1f}; "
               f"bound {b['bytes_per_token'] / 1e6:.0f} MB / {r['best_gbps']:.1f} GB/s = "
               f"{b['bound_ms']:.1f} ms (mox at {b['mox_ms'] / b['bound_ms']:.2f}x the bound; "
@@ -401,14 +416,16 @@ def main() -> None:
          "num_experts": ckpt.spec.num_experts, "expert_bytes": ckpt.expert_nbytes,
          "moe_layers": ckpt.spec.num_moe_layers}
     assert all(ckpt.spec.moe_layers)               # the bench olmoe: a router in every layer
-    before = bandwidths()
+    read_rates = ReadRates()
+    before = read_rates()
     with torch.inference_mode():
         for n in counts:
             s = r["concurrency"][str(n)] = measure(runs, prompts[n], args.decode_tokens,
-                                                   args.repeats)
+                                                   args.repeats, read_rates)
             print(f"{n} seqs: " + ", ".join(f"{v} {t:.1f} tok/s" for v, t in s["tok_s"].items())
                   + f"; mox / {s['baseline']} = {s['ratio']:.2f}", flush=True)
-        r.update({k: round(max(v, before[k]), 2) for k, v in bandwidths().items()})   # 2 tries
+        r.update({k: round(max(v, before[k]), 2) for k, v in read_rates().items()})   # 2 tries
+        del read_rates                                            # (1 GiB)
         r["best_gbps"] = max(v for k, v in r.items() if k.endswith("_gbps"))
         with one_step(llm):            # the diagnosis takes one decode step apart
             for n in (str(1), str(max(counts))):
@@ -421,6 +438,10 @@ def main() -> None:
     for n, s in r["concurrency"].items():
         s["step_bytes"], s["experts_touched"] = step_bytes(ckpt, int(n))
         s["bound_tok_s"] = int(n) / (s["step_bytes"] / (r["best_gbps"] * 1e9))
+        # the same per repeat, at the rate measured right before its mox run
+        s["over_beside"] = statistics.median(
+            int(n) / (s["step_bytes"] / (gbps * 1e9)) / rate
+            for gbps, rate in zip(s["gbps_beside_mox"], s["tok_s_per_repeat"]["mox"]))
     one = r["concurrency"]["1"]
     r["batch1"] = {"mox_ms": 1e3 / one["tok_s"]["mox"], "bytes_per_token": one["step_bytes"],
                    "baseline_ms": 1e3 / one["tok_s"][one["baseline"]],
