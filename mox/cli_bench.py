@@ -66,7 +66,8 @@ def bench_config(args: argparse.Namespace):
         seed=args.seed, host_memory=args.host_memory, kv_memory=args.kv_memory,
         scrape_period_s=mode["scrape_period_s"], routing_sequences=mode["routing_sequences"],
         home=args.home, out=args.out, quantize=args.quantize, expert_major=args.expert_major,
-        tpot_target=args.tpot_target, ray_replicas=args.replicas if args.ray else 0)
+        tpot_target=args.tpot_target, ray_replicas=args.replicas if args.ray else 0,
+        ray_models_per_replica=args.models_per_replica if args.ray else 0)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -127,6 +128,9 @@ def add_bench_parser(sub) -> None:
                        help="also run rate through `mox serve --ray`, the budget and the cores "
                        "split between --replicas replicas (pip install 'mox[ray]')")
     bench.add_argument("--replicas", type=int, default=2, help="with --ray (default 2)")
+    bench.add_argument("--models-per-replica", type=int, default=0,
+                       help="with --ray: each replica's multiplexed set (default: `mox serve "
+                            "--ray`'s, the models over the replicas)")
     bench.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
                        help="serve the models with their experts quantized (built once under "
                             "--home); the budget stays the bf16 models'")

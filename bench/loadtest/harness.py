@@ -130,6 +130,8 @@ class ServerProcess:
             cpus = (os.cpu_count() or 1) / replicas
             self.argv += ["--ray", "--replicas", str(replicas), "--cpus-per-replica",
                           f"{cpus:g}"]
+            if config.ray_models_per_replica:
+                self.argv += ["--models-per-replica", str(config.ray_models_per_replica)]
         self.log_path = log_path
         self.base_url = ""
         self._process: asyncio.subprocess.Process | None = None

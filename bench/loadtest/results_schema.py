@@ -44,6 +44,7 @@ class BenchConfig(msgspec.Struct, kw_only=True):
     expert_major: bool = False        # the models repacked as `mox models import` leaves them
     tpot_target: bool = False         # every server keeps the SLO's TPOT (serve --tpot-target)
     ray_replicas: int = 0             # > 0: rate also through `mox serve --ray` (budget / N each)
+    ray_models_per_replica: int = 0   # > 0: `mox serve --ray --models-per-replica`
 
 
 class Summary(msgspec.Struct):
