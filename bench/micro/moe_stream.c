@@ -14,12 +14,6 @@
 #include "exported.h"
 #include "moe_pools.h"
 
-int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
-                         const uint16_t *w2, int64_t s2, const gating_t *gating,
-                         const int64_t *slots, const int64_t *starts, const int64_t *counts,
-                         int64_t num_active, const float *row_weights, int64_t H, int64_t I,
-                         float *gate_up, uint16_t *act, float *down, int fast);
-
 enum { SLOTS = 64, H = 1024, I = 512, TOP_K = 4, CALLS = 24, MAX_TOKENS = 64 };
 #define STREAM_BYTES ((int64_t)256 << 20)
 

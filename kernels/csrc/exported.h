@@ -1,6 +1,6 @@
 /* The library's entry points that other C files call (attention_block.c runs a layer's
- * steps through them, moe_block.c its experts); their definitions include this, so the
- * compiler checks each against its declaration. */
+ * steps through them, moe_block.c its experts, bench/micro/moe_stream.c times them); their
+ * definitions include this, so the compiler checks each against its declaration. */
 #ifndef MOX_EXPORTED_H
 #define MOX_EXPORTED_H
 
@@ -27,6 +27,11 @@ int mox_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
                               int64_t num_tokens, int64_t h, int64_t h_kv, int64_t d,
                               int64_t d2, int64_t dv, float scale, int64_t window, float *out,
                               int fast);
+int mox_moe_experts_bf16(const uint16_t *rows, const uint16_t *w13, int64_t s13,
+                         const uint16_t *w2, int64_t s2, const gating_t *gating,
+                         const int64_t *slots, const int64_t *starts, const int64_t *counts,
+                         int64_t num_active, const float *row_weights, int64_t H, int64_t I,
+                         float *gate_up, uint16_t *act, float *down, int fast);
 int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t *gating,
                     const int64_t *slots, const int64_t *starts, const int64_t *counts,
                     int64_t num_active, const float *row_weights, int64_t H, int64_t I,

@@ -32,10 +32,10 @@
  * experts per thread are shared finely, CHUNK_ROWS weight rows a claim (whole QBLOCKs) in two
  * passes with a barrier between them, so the threads finish together: on a VM the two rarely
  * get equal shares of the memory bus. This VM's memory (AMD EPYC Zen 4, two threads) streams
- * at ~31 GB/s for minutes, then 45-56 for a while: 128-row claims throughout (one barrier a
- * call) read experts at 0.93-0.96x a plain stream's rate in the slow spells, 0.64-0.72x in
- * the fast ones; whole experts, 0.95-0.98x and 0.79-0.80x (8 and 32 tokens, bench shapes,
- * alternated; 256-row claims throughout: 0.69-0.72x in the fast spells). */
+ * at ~31 GB/s for minutes, then 45-56 for a while: against a GEMV stream timed the moment
+ * before (bench/micro/moe_stream.py --base 1af951e, two runs), 128-row claims throughout (one
+ * barrier a call) read experts at 0.92-0.98x the stream's rate at 8 and 32 tokens in the slow
+ * spells and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x. */
 #define CHUNK_ROWS 64
 #define TAIL_PER_THREAD 2
 

@@ -49,8 +49,10 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
  * an output's sum does not depend on the tile it fell in. The next weight rows are
  * prefetched into L2, not L1 (_MM_HINT_T1): into L1 a tile's prefetches waited on L1's few
  * miss buffers and the x rows streaming through L1 evicted them; into L2 the GEMV read 1.5-1.7x
- * faster at 8 rows, 1.1-1.5x at 4, 16 and 32 (native_ab, two runs), and with it tiles beat
- * row_avx512 from 3 rows. Inlined with constant MR, NR. */
+ * faster at 8 rows, 1.1-1.5x at 4, 16 and 32 (native_ab, two runs; at 4 rows against
+ * row_avx512, which 4 rows took before). Tiles from 2 rows instead of 3 measured 0.84-1.39x at
+ * 2 rows and 1.00x in the MoE layer (two runs): noise, so they start at 3. Inlined with
+ * constant MR, NR. */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"), always_inline))
 static inline void tile_avx512(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
                                float *out, int64_t ldm, int MR, int NR, int64_t K) {
