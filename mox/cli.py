@@ -156,6 +156,14 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _add_ray_arguments(group) -> None:
     group.add_argument("--ray", action="store_true",
                        help="serve through Ray Serve: replicas that are each a whole mox "
@@ -169,9 +177,10 @@ def _add_ray_arguments(group) -> None:
                        "host:6379); default: start a local one")
     group.add_argument("--cpus-per-replica", type=float, default=1.0)
     group.add_argument("--gpus-per-replica", type=float, default=0.0)
-    group.add_argument("--models-per-replica", type=int,
-                       help="models a replica keeps warm before Ray routes a new one "
-                       "elsewhere (default: the registry's models over the replicas)")
+    group.add_argument("--models-per-replica", type=_count,
+                       help="bound each replica's multiplexed set: Ray drops a model from a "
+                       "full set to route a new one there, and mox parks it (default: no "
+                       "bound; each replica's budget decides what it keeps warm)")
 
 
 def _add_limit_arguments(group) -> None:

@@ -129,8 +129,8 @@ def add_bench_parser(sub) -> None:
                        "split between --replicas replicas (pip install 'mox[ray]')")
     bench.add_argument("--replicas", type=int, default=2, help="with --ray (default 2)")
     bench.add_argument("--models-per-replica", type=int, default=0,
-                       help="with --ray: each replica's multiplexed set (default: `mox serve "
-                            "--ray`'s, the models over the replicas)")
+                       help="with --ray: bound each replica's multiplexed set (default: `mox "
+                            "serve --ray`'s, no bound)")
     bench.add_argument("--quantize", choices=sorted(IMPORT_FORMATS),
                        help="serve the models with their experts quantized (built once under "
                             "--home); the budget stays the bf16 models'")

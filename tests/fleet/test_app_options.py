@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from mox.fleet.app import FleetOptions, _scaling, models_per_replica
+import pytest
+
+from mox.fleet.app import UNBOUNDED, FleetOptions, _scaling, models_per_replica
 from mox.serve import ServeOptions
 
 
@@ -15,9 +17,25 @@ def test_a_fixed_count_or_autoscaling_bounds():
     assert (only_max["min_replicas"], only_max["max_replicas"]) == (1, 2)
 
 
-def test_models_per_replica_spreads_the_registry_over_the_replicas():
-    assert models_per_replica(FleetOptions(ServeOptions(), replicas=2), 8) == 4
-    assert models_per_replica(FleetOptions(ServeOptions(), replicas=3), 8) == 3
-    assert models_per_replica(FleetOptions(ServeOptions(), max_replicas=4), 8) == 2
-    assert models_per_replica(FleetOptions(ServeOptions(), replicas=2), 0) == 1
-    assert models_per_replica(FleetOptions(ServeOptions(), models_per_replica=5), 8) == 5
+def test_every_replica_may_hold_every_model_unless_bounded():
+    assert models_per_replica(FleetOptions(ServeOptions(), replicas=2)) == UNBOUNDED
+    assert models_per_replica(FleetOptions(ServeOptions(), max_replicas=4)) == UNBOUNDED
+    assert models_per_replica(FleetOptions(ServeOptions(), models_per_replica=5)) == 5
+
+
+def test_an_unbounded_set_is_one_ray_serve_takes():
+    pytest.importorskip("ray")
+    from mox.fleet.replica import replica_class
+
+    assert replica_class(UNBOUNDED).hold is not None      # Ray refuses 0 and other negatives
+    with pytest.raises(ValueError):
+        replica_class(0)
+
+
+def test_a_set_bound_below_one_is_refused_before_ray_starts(capsys, tmp_path):
+    from mox.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--ray", "--models-per-replica", "0", "--home", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--models-per-replica: must be at least 1" in capsys.readouterr().err
