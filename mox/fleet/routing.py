@@ -2,7 +2,7 @@
 that hold it; this goes further and ranks every candidate by how warm the model is there
 (dense weights on, share of experts resident, from each replica's routing stats) less the
 queue it would wait behind (mox.fleet.warmth): Ray's count of requests sent to the replica,
-fresher than the stats' during a burst."""
+fresher than the stats' during a burst. A model warm nowhere starts at its home replica."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class WarmFirstRouter(FIFOMixin, MultiplexMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
         candidates = [Candidate(r, r.routing_stats or None, model in r.multiplexed_model_ids,
                                 len(r.multiplexed_model_ids),
-                                self.replica_queue_len_cache.get(r.replica_id))
+                                self.replica_queue_len_cache.get(r.replica_id),
+                                r.replica_id.unique_id)
                       for r in candidate_replicas]
         return rank(candidates, model)

@@ -12,12 +12,16 @@ skips the dense load; every expert resident skips every read).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 # A wholly warm model is worth this many requests queued ahead on its replica: a cold start of
 # a bench model costs seconds of reads, a queued request about a second of decode.
 QUEUE_PER_WARMTH = 8.0
+# A model's home replica (below) is worth this much warmth: two queued requests. Where the model
+# is warm nowhere, its cold start goes home unless the home's queue is much longer.
+HOME_WARMTH = 2 / QUEUE_PER_WARMTH
 
 
 def model_warmth(model: dict) -> float:
@@ -46,17 +50,31 @@ class Candidate:
     num_held: int = 0              # models in that set
     queue: int | None = None       # requests the caller's router has in flight there (None:
                                    # unknown; the report's queue stands in)
+    key: str = ""                  # the replica's id, stable while it lives ("": str(replica))
 
 
-def score(candidate: Candidate, model: str) -> float:
-    """Higher is better: the model's warmth there, less the queue it would wait behind. A
-    replica that holds the model but has not reported its residency yet counts half warm."""
+def home(candidates: Sequence[Candidate], model: str) -> Candidate:
+    """The model's home among the replicas: the highest hash of (model, replica), the same
+    answer in every router process, and when a replica goes, only its models move.
+
+    A model warm nowhere starts at home. Without a home, its cold start went to the replica
+    with the shorter queue, so over a run it went cold on both and each replica spent budget
+    on it (bench/results/harness-ray-9-unbounded, -10: a third of the models landed on both
+    replicas, cold each time; the fleet read 1.15-1.36x what one process read)."""
+    return max(candidates, key=lambda c: zlib.crc32(f"{model}/{c.key or c.replica}".encode()))
+
+
+def score(candidate: Candidate, model: str, is_home: bool = False) -> float:
+    """Higher is better: the model's warmth there (HOME_WARMTH more at its home), less the
+    queue it would wait behind. A replica that holds the model but has not reported it yet
+    counts half warm; once it reports, its report decides (a replica keeps every model it
+    was sent in its set, parked or not)."""
     report = candidate.report or {}
-    warmth = report.get("warmth", {}).get(model, 0.0)
-    if candidate.holds:
-        warmth = max(warmth, 0.5)
+    warmth = report.get("warmth", {}).get(model)
+    if warmth is None:
+        warmth = 0.5 if candidate.holds else 0.0
     queue = candidate.queue if candidate.queue is not None else report.get("queue", 0)
-    return warmth - queue / QUEUE_PER_WARMTH
+    return warmth + (HOME_WARMTH if is_home else 0.0) - queue / QUEUE_PER_WARMTH
 
 
 def warm_on_another(model: str, reports: dict[str, dict], me: str) -> bool:
@@ -70,7 +88,11 @@ def warm_on_another(model: str, reports: dict[str, dict], me: str) -> bool:
 def rank(candidates: Sequence[Candidate], model: str) -> list[list[Hashable]]:
     """The replicas for a request of `model`, best first, as Ray's `choose_replicas` returns
     them (one rank per replica, so a full replica falls through to the next best). Between
-    equals, the replica holding fewer models: a model warm nowhere starts where there is room."""
+    equals, the replica holding fewer models."""
+    if not candidates:
+        return []
+    own = home(candidates, model)
     order = sorted(range(len(candidates)),
-                   key=lambda i: (-score(candidates[i], model), candidates[i].num_held))
+                   key=lambda i: (-score(candidates[i], model, candidates[i] is own),
+                                  candidates[i].num_held))
     return [[candidates[i].replica] for i in order]

@@ -9,6 +9,7 @@ from mox.fleet.messages import request_fields
 from mox.fleet.warmth import (
     QUEUE_PER_WARMTH,
     Candidate,
+    home,
     model_warmth,
     rank,
     replica_report,
@@ -61,10 +62,35 @@ def test_a_long_queue_outweighs_warmth():
     assert rank(candidates, "a")[0] == ["warm"]
 
 
-def test_a_model_warm_nowhere_starts_where_fewer_models_are_held():
-    candidates = [Candidate("busy", _report(0), num_held=3),
-                  Candidate("roomy", _report(0), num_held=1)]
-    assert rank(candidates, "new")[0] == ["roomy"]
+def test_a_model_warm_nowhere_starts_at_its_home_replica():
+    candidates = [Candidate("r0", _report(0), num_held=3), Candidate("r1", _report(1)),
+                  Candidate("r2", _report(0), num_held=1)]
+    homes = {}
+    for model in (f"m{i}" for i in range(30)):
+        homes[model] = home(candidates, model).replica
+        assert rank(candidates, model)[0] == [homes[model]]
+        # every router process agrees, whatever order Ray lists the replicas in
+        assert home(candidates[::-1], model).replica == homes[model]
+    assert set(homes.values()) == {"r0", "r1", "r2"}          # the models spread out
+    # a replica that goes takes only its own models' homes with it
+    rest = candidates[1:]
+    assert all(home(rest, m).replica == r for m, r in homes.items() if r != "r0")
+
+
+def test_warm_elsewhere_beats_home_and_a_long_home_queue_sends_the_start_elsewhere():
+    candidates = [Candidate("r0", _report(0)), Candidate("r1", _report(0))]
+    model = next(f"m{i}" for i in range(100) if home(candidates, f"m{i}").replica == "r0")
+    warm_away = [Candidate("r0", _report(0)), Candidate("r1", _report(1, **{model: 0.5}))]
+    assert rank(warm_away, model)[0] == ["r1"]
+    busy_home = [Candidate("r0", _report(int(QUEUE_PER_WARMTH))), Candidate("r1", _report(0))]
+    assert rank(busy_home, model)[0] == ["r1"]
+
+
+def test_a_replica_that_reports_the_model_parked_does_not_count_its_hold():
+    # unbounded multiplexed sets keep parked models held: the report, not the hold, decides
+    candidates = [Candidate("parked", _report(0, a=0.0), holds=True),
+                  Candidate("warm", _report(2, a=0.55), holds=True)]
+    assert rank(candidates, "a")[0] == ["warm"]
 
 
 def test_holding_the_model_counts_before_the_first_report():
