@@ -42,7 +42,7 @@ from .native_moe import (
     native_format,
     pool_structs,
 )
-from .native_step import StepLayers, StepTail, check_layers_step
+from .native_step import DecodeChain, DecodeRows, StepLayers, StepTail, check_layers_step
 from .quant import FP8, ExpertScales
 
 ISA_NAMES = ("plain", "avx2", "avx512bf16")    # bf16.h's ISA_* codes
@@ -253,20 +253,35 @@ class NativeKernels:
                       activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
                       b2: torch.Tensor | None = None, tail: StepTail | None = None
                       ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A decode step's layers from `first` on (csrc/decode_layers.c: each layer's
-        `attention_block` then `moe_block`) over the stream `x [T, H]` bf16, in place. Returns
-        where it stopped: every layer, or the first whose experts were not all resident (`x`
-        then its stream after attention, `h [T, H]` its normed rows), the routing weights
-        `[L, T, k]` float32 and ids `[L, T, k]` int32 of the layers it reached, and with a
-        `tail`, where every layer ran, the logits `[T, V]` float32 (bf16 values) of the
-        final norm and lm_head (else None). The attention arguments as `attention_block`
-        takes them (`store`: the keys and values of a layer, the shape of every layer's,
-        which `step` points to), the pools as `moe_block`."""
+        """One decode step's layers from `first` on: `decode_chain` of one step."""
         cos, sin = (t.reshape(t.shape[0], -1) for t in tables)
+        rows = DecodeRows(cos, sin, slot_mapping[None], lengths[None], kv_slots, starts)
+        return self.decode_chain(step, x, h, rows, store, w13, w2, scales, activation, b13,
+                                 b2, tail)(first, 0)
+
+    def decode_chain(self, step: StepLayers, x: torch.Tensor, h: torch.Tensor,
+                     rows: DecodeRows, store: tuple[torch.Tensor, torch.Tensor],
+                     w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+                     activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
+                     b2: torch.Tensor | None = None, tail: StepTail | None = None
+                     ) -> DecodeChain:
+        """A batch's decode steps `rows` over the stream `x [T, H]` bf16, in place (the
+        caller writes each next step's input rows into `x`): `chain(first, j)` runs step j's
+        layers from `first` on (csrc/decode_layers.c: each layer's `attention_block` then
+        `moe_block`) and returns where it stopped: every layer, or the first whose experts
+        were not all resident (`x` then its stream after attention, `h [T, H]` its normed
+        rows), the routing weights `[L, T, k]` float32 and ids `[L, T, k]` int32 of the
+        layers it reached, and with a `tail`, where every layer ran, the logits `[T, V]`
+        float32 (bf16 values) of the final norm and lm_head (else None). The attention
+        arguments as `attention_block` takes them (`store`: the keys and values of a layer,
+        the shape of every layer's, which `step` points to), the pools as `moe_block`."""
         keys, values = store
+        num_tokens, num_layers = x.shape[0], len(step.moe)
+        rows.check(num_tokens)
+        cos, sin, slot_mapping, lengths = rows.step(0)
         check_layers_step(step, x, h, cos, sin, keys, values,
-                          [slot_mapping, starts, lengths, kv_slots])
-        shape, num_tokens, num_layers = step.moe[0].struct, x.shape[0], len(step.moe)
+                          [slot_mapping, rows.starts, lengths, rows.kv_slots])
+        shape = step.moe[0].struct
         if not 1 <= num_tokens <= GEMV_MAX_ROWS or w13.device.type != "cpu":
             raise ValueError(f"decode_layers takes 1 to {GEMV_MAX_ROWS} rows, and CPU pools")
         check_pools(w13, w2, scales, shape.hidden, shape.inter, self._pools_checked)
@@ -278,24 +293,17 @@ class NativeKernels:
             raise ValueError("decode_layers' tail is for another hidden size")
         logits = (torch.empty(num_tokens, tail.lm_head.shape[0], dtype=torch.float32)
                   if tail is not None else None)
-        done = self._decode_layers(
-            step.array, first, num_layers, x.data_ptr(), h.data_ptr(), num_tokens,
-            cos.data_ptr(), sin.data_ptr(), cos.stride(0), keys.shape[0],
-            slot_mapping.data_ptr(), kv_slots.data_ptr(), kv_slots.shape[0], starts.data_ptr(),
-            lengths.data_ptr(), w13.shape[0], *pool_structs(w13, w2, scales), gates,
-            weights.data_ptr(), ids.data_ptr(), residual.data_ptr(),
-            ctypes.addressof(tail.struct) if tail is not None else None,
-            logits.data_ptr() if logits is not None else None)
-        if done == -2:
-            raise MemoryError("decode_layers could not allocate its intermediates")
-        if done == -3:
-            raise RuntimeError(f"decode_layers ran every layer, but its tail (the final norm "
-                               f"and lm_head at T={num_tokens}) was refused or out of memory")
-        if done < 0:
-            raise ValueError(f"decode_layers refused T={num_tokens} from layer {first} (a "
-                             f"slot outside the store, a key run outside the keys, or a "
-                             f"layer unlike the others)")
-        return done, weights, ids, (logits if done == num_layers else None)
+        pools = pool_structs(w13, w2, scales)
+        steps = [(x.data_ptr(), h.data_ptr(), num_tokens, cos.data_ptr(), sin.data_ptr(),
+                  cos.stride(0), keys.shape[0], slot_mapping.data_ptr(),
+                  rows.kv_slots.data_ptr(), rows.kv_slots.shape[0], rows.starts.data_ptr(),
+                  lengths.data_ptr(), w13.shape[0], *pools, gates, weights.data_ptr(),
+                  ids.data_ptr(), residual.data_ptr(),
+                  ctypes.addressof(tail.struct) if tail is not None else None,
+                  logits.data_ptr() if logits is not None else None)
+                 for cos, sin, slot_mapping, lengths in map(rows.step, range(rows.num_steps))]
+        return DecodeChain(self._decode_layers, step.array, steps, (weights, ids, logits),
+                           (step, x, h, rows, store, w13, w2, scales, b13, b2, tail, residual))
 
     def route(self, logits: torch.Tensor, k: int, scoring: str, renormalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

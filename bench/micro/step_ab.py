@@ -8,7 +8,8 @@ Each pass is a fresh process that decodes `--tokens` tokens greedily for `--seqs
 of 16-token prompts (after a warm-up), timing the steps and the time inside the native
 library's calls (`decode_layers`, `gemv`, `rms_norm`, `route`), through the public API both
 trees share.
-Figures per pass: ms a step, ms in native calls, and the rest ("outside"); then the medians
+Figures per pass: ms a step, ms in native calls, the rest ("outside"), and the median gap
+between two decode_layers calls (a step's own Python inside a run of steps); then the medians
 and new / base.
 
     .venv/bin/python -m mox.bench.micro.step_ab --base REV [--seqs 1,8] [--pairs 3]
@@ -31,6 +32,7 @@ from mox.bench.machine import describe
 from mox.demo import default_home
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
+FIGURES = ("step_ms", "native_ms", "outside_ms", "between_ms")
 REPO = Path(__file__).resolve().parent.parent.parent
 
 # Run in a child as `python -c CHILD ROOT HOME SEQS TOKENS`: imports mox from ROOT (the
@@ -46,29 +48,36 @@ from mox.demo import ensure_demo_models
 from mox.kernels import native
 path = next(iter(ensure_demo_models(home, "bench", 0.0, ("olmoe",)).values()))
 llm = LLM(path, dtype="bfloat16", max_batched_tokens=1024)
-kernels, inside = native.kernels(), [0.0]
-def timed(call):
+kernels, inside, gaps, last = native.kernels(), [0.0], [], {}
+def timed(call, name):
     def wrapper(*args):
         start = time.perf_counter()
+        if name in last:
+            gaps.append(start - last[name])
         try:
             return call(*args)
         finally:
             inside[0] += time.perf_counter() - start
+            if name == "_decode_layers":
+                last[name] = time.perf_counter()
     return wrapper
 for name in ("_decode_layers", "_gemv", "_norm", "_route"):
-    setattr(kernels, name, timed(getattr(kernels, name)))
+    setattr(kernels, name, timed(getattr(kernels, name), name))
 rng = random.Random(0)
 prompts = [[rng.randrange(1, 30000) for _ in range(16)] for _ in range(seqs)]
 def run(n):
     inside[0], start = 0.0, time.perf_counter()
+    gaps.clear(), last.clear()
     llm.generate(prompt_token_ids=prompts, max_tokens=n, temperature=0.0, ignore_eos=True)
     return time.perf_counter() - start, inside[0]
 with torch.inference_mode():
     run(3)
     (t1, n1), (t2, n2) = run(1), run(1 + tokens)      # the decode steps: the difference
 step, native_s = (t2 - t1) / tokens, (n2 - n1) / tokens
+gaps.sort()
 print(json.dumps({"step_ms": step * 1e3, "native_ms": native_s * 1e3,
-                  "outside_ms": (step - native_s) * 1e3}))
+                  "outside_ms": (step - native_s) * 1e3,
+                  "between_ms": gaps[len(gaps) // 2] * 1e3 if gaps else float("nan")}))
 '''
 
 
@@ -104,7 +113,10 @@ def main(argv: list[str] | None = None) -> None:
              f"- tree: {git_out('rev-parse', '--short', 'HEAD')} and its uncommitted changes",
              f"- decode tokens per pass: {args.tokens}", "",
              "Passes alternate base, new (then new, base), each a fresh process. Cells: ms a "
-             "step, pass by pass: the whole step, inside the native calls, outside them.", ""]
+             "step, pass by pass: the whole step, inside the native calls, outside them; and "
+             "the median time from the end of one decode_layers call to the start of the next "
+             "(within a run of decode steps, the Python of one step: picking its tokens, "
+             "counting the hold's experts, the next call's arguments).", ""]
     with tempfile.TemporaryDirectory() as scratch:
         base = os.path.join(scratch, "base")
         subprocess.run([*git, "worktree", "add", "--detach", "-q", base, rev], check=True)
@@ -118,16 +130,15 @@ def main(argv: list[str] | None = None) -> None:
                                                  home, seqs, args.tokens))
                     print(seqs, which, passes[which][-1], flush=True)
                 lines += [f"## {seqs} sequence{'s' if seqs > 1 else ''}", "",
-                          "| | step | native calls | outside |", "|---|---|---|---|"]
+                          "| | step | native calls | outside | between chained calls |",
+                          "|---|---|---|---|---|"]
                 for which, runs in passes.items():
-                    cells = [" / ".join(f"{r[k]:.2f}" for r in runs)
-                             for k in ("step_ms", "native_ms", "outside_ms")]
+                    cells = [" / ".join(f"{r[k]:.2f}" for r in runs) for k in FIGURES]
                     lines.append(f"| {which} | " + " | ".join(cells) + " |")
                 medians = {w: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                            for w, runs in passes.items()}
                 lines.append("| new / base (medians) | " + " | ".join(
-                    f"{medians['new'][k] / medians['base'][k]:.2f}"
-                    for k in ("step_ms", "native_ms", "outside_ms")) + " |")
+                    f"{medians['new'][k] / medians['base'][k]:.2f}" for k in FIGURES) + " |")
                 lines.append("")
         finally:
             subprocess.run([*git, "worktree", "remove", "--force", base], check=True)

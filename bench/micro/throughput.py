@@ -233,7 +233,7 @@ def _timing(llm: LLM, spent: dict[str, float], stub_kernels: bool, chained: bool
     kernels = native.kernels()
     if kernels is not None:         # CPU decode: the MoE kernel is the native block
         patched += [(kernels, "moe_block", "moe_block_call"),
-                    (kernels, "decode_layers", "decode_layers")]
+                    (kernels, "_decode_layers", "decode_layers")]
 
     def timing(fn, name: str):
         def wrapper(*args, **kwargs):

@@ -195,8 +195,9 @@ class MoEDecoder:
         step's input."""
         kernels, gate, num_layers = native.kernels(), activation(self.spec), len(self.layers)
         h = torch.empty_like(x)
-        rows, kv_slots, starts = batch.decode_rows(self.rotary)
+        rows = batch.decode_rows(self.rotary)
         stores = [batch.kv.rows(i) for i in range(num_layers)]
+        moe_layers = [layer.mlp.moe_layer for layer in self.layers]
         tail = (self._tail if self._tail is not None and batch.logits_indices is None
                 and native.takes(x, self.lm_head) and native.takes_norm(x, self.final_norm)
                 else None)
@@ -204,32 +205,31 @@ class MoEDecoder:
 
         def finish_step(logits: torch.Tensor | None) -> bool:
             """Step `step` ran its last layer (`logits` None: its tail runs in torch here):
-            its tokens picked; whether another step follows (its stream then in `x`)."""
-            nonlocal step, x
+            its tokens picked; whether another step follows (its rows then in `x`, in place:
+            the chain's calls read the stream there)."""
+            nonlocal step
             next_ids = pick(logits if logits is not None else self._logits(x, batch))
             step += 1
-            if next_ids is None or step == len(rows):
+            if next_ids is None or step == rows.num_steps:
                 return False
-            x = F.embedding(next_ids, self.embed)
+            torch.index_select(self.embed, 0, next_ids, out=x)
             return True
 
         while going:
             with self.experts.holding() as hold:
-                layers = self._step_layers(stores, hold.slot_of)
+                chain = kernels.decode_chain(self._step_layers(stores, hold.slot_of), x, h,
+                                             rows, stores[0], hold.w13, hold.w2, hold.scales,
+                                             gate, hold.b13, hold.b2, tail)
                 while going:                        # steps back to back while resident
-                    tables, slot_mapping, lengths = rows[step]
-                    done, weights, ids, logits = kernels.decode_layers(
-                        layers, first, x, h, tables, stores[0], slot_mapping, kv_slots,
-                        starts, lengths, hold.w13, hold.w2, hold.scales, gate, hold.b13,
-                        hold.b2, tail)
-                    hold.used += zip((layer.mlp.moe_layer for layer in self.layers[first:done]),
+                    done, weights, ids, logits = chain(first, step)
+                    hold.used += zip(moe_layers[first:done],
                                      ids.numpy().reshape(len(ids), -1)[first:done].tolist())
                     if done < num_layers:
                         break
                     first, going = 0, finish_step(logits)
             if done < num_layers:                   # layer `done` missed: page it, go on after
-                x = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
-                                             h, x, weights[done], ids[done])
+                x[:] = yield from paged_experts(self.spec, self.layers[done].mlp, self.experts,
+                                                h, x, weights[done], ids[done])
                 first = done + 1
                 if first == num_layers:
                     first, going = 0, finish_step(None)

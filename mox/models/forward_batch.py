@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mox.kernels.native_step import DecodeRows
 from mox.models.kv_store import KVStore
 from mox.models.rotary import Rotary
 
@@ -56,11 +57,6 @@ class DecodeAhead:
     max_position: int                # largest entry of `positions` (host int)
 
 
-# One decode step's rows for the native calls: rotary (cos, sin), slot mapping `[S]`, and
-# each token's key count `[S]` (its keys' start is the batch's).
-StepRows = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]
-
-
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] token ids
@@ -99,19 +95,18 @@ class ForwardBatch:
             tables = self._memo["rotary"] = rotary.tables(self.positions, self.max_position)
         return tables
 
-    def decode_rows(self, rotary: Rotary) -> tuple[list[StepRows], torch.Tensor, torch.Tensor]:
-        """A decode batch's steps (one, or `ahead`'s): each step's rows, then the keys'
-        slots `[K]` and each sequence's first key `[S]` that every step shares."""
+    def decode_rows(self, rotary: Rotary) -> DecodeRows:
+        """A decode batch's steps (one, or `ahead`'s) as the native calls read them."""
         starts, lengths = self.key_ranges
         ahead = self.ahead
         if ahead is None:
-            return [(self.rotary_tables(rotary), self.slot_mapping, lengths)], self.kv_slots, starts
-        steps, seqs = ahead.positions.shape
-        cos, sin = rotary.tables(ahead.positions.flatten(), ahead.max_position)
-        lengths = ahead.positions + 1
-        rows = [((cos[j * seqs:(j + 1) * seqs], sin[j * seqs:(j + 1) * seqs]),
-                 ahead.slot_mapping[j], lengths[j]) for j in range(steps)]
-        return rows, ahead.kv_slots, ahead.starts
+            cos, sin = (t.reshape(t.shape[0], -1) for t in self.rotary_tables(rotary))
+            return DecodeRows(cos, sin, self.slot_mapping[None], lengths[None], self.kv_slots,
+                              starts)
+        cos, sin = (t.reshape(t.shape[0], -1) for t in rotary.tables(ahead.positions.flatten(),
+                                                                     ahead.max_position))
+        return DecodeRows(cos, sin, ahead.slot_mapping, ahead.positions + 1, ahead.kv_slots,
+                          ahead.starts)
 
     def attention_mask(self, window: int | None) -> torch.Tensor | None:
         """`[T, K]` bool: a token sees its own sequence's keys at or before its position

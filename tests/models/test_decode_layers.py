@@ -1,8 +1,11 @@
 """A CPU decode step's layers in one native call (kernels/csrc/decode_layers.c) give the
 same bits, and count the same hits, as the layers one call per half; a layer that finds an
-expert missing pages in waves and the chain takes up after it."""
+expert missing pages in waves and the chain takes up after it (steps back to back through
+one chain: tests/engine/test_multi_step.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -31,6 +34,23 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
+def _watch_calls(patch, seen) -> None:
+    """`kernels.decode_chain` patched so that each of its chains' calls reports its first
+    layer, where it stopped and its logits to `seen`."""
+    kernels = native.kernels()
+    decode_chain = kernels.decode_chain
+
+    def watched(*args, **kwargs):
+        chain = decode_chain(*args, **kwargs)
+
+        def run(first, j):
+            done, weights, ids, logits = chain(first, j)
+            seen(first, done, logits)
+            return done, weights, ids, logits
+        return run
+    patch.setattr(kernels, "decode_chain", watched)
+
+
 def _step(path: str, monkeypatch, chained: bool, slots_share: float = 1.0):
     """A fresh model's decode-batch logits, the `decode_layers` calls' first layers,
     results and whether each ran the tail (final norm and lm_head), and the pager's counters
@@ -40,14 +60,10 @@ def _step(path: str, monkeypatch, chained: bool, slots_share: float = 1.0):
     pool.resize(max(pool.top_k, int(pool.max_slots * slots_share)))
     batch = decode_batch(model, torch.Generator().manual_seed(11))
     before = pool.stats()
-    kernels, calls = native.kernels(), []
-    run = kernels.decode_layers
-    def counted(step, first, *args, **kwargs):
-        done, weights, ids, logits = run(step, first, *args, **kwargs)
-        calls.append((first, done, logits is not None))
-        return done, weights, ids, logits
+    calls = []
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "decode_layers", counted)
+        _watch_calls(patch, lambda first, done, logits: calls.append((first, done,
+                                                                       logits is not None)))
         if not chained:
             patch.setattr(decoder.MoEDecoder, "_chains", lambda self: False)
         logits = model.forward_batch(batch)
@@ -116,6 +132,26 @@ def test_the_table_follows_a_kv_store_that_grows(checkpoints, monkeypatch):
                               pool.w13, pool.w2)
 
 
+def test_a_chain_refuses_rows_that_are_not_one_per_token_and_step(checkpoints):
+    """A chain's per-step pointers are taken from its rows once, so rows of the wrong shape or
+    layout are refused when it is made, not read past."""
+    model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
+    batch = decode_batch(model, torch.Generator().manual_seed(12))
+    model.forward_batch(batch)
+    rows, pool = batch.decode_rows(model.rotary), model.experts.slot_pool
+    x = torch.zeros(batch.num_tokens, model.spec.hidden_size, dtype=torch.bfloat16)
+    kernels = native.kernels()
+    for bad in (dataclasses.replace(rows, lengths=rows.lengths[:, :-1]),
+                dataclasses.replace(rows, cos=rows.cos[:-1], sin=rows.sin[:-1]),
+                dataclasses.replace(rows, slot_mapping=rows.slot_mapping.repeat(1, 2)[:, ::2])):
+        with pytest.raises(ValueError, match="one per token and step"):
+            kernels.decode_chain(model._step[1], x, torch.empty_like(x), bad,
+                                 batch.kv.rows(0), pool.w13, pool.w2)
+    chain = kernels.decode_chain(model._step[1], x, torch.empty_like(x), rows,
+                                 batch.kv.rows(0), pool.w13, pool.w2)
+    assert chain.num_tokens == batch.num_tokens and chain.num_layers == model.spec.num_layers
+
+
 def test_prefetch_keeps_the_layers_apart(checkpoints, monkeypatch):
     """The pager's prefetch routes each next layer from Python: such a model's steps do not
     chain, and give the same logits."""
@@ -125,9 +161,9 @@ def test_prefetch_keeps_the_layers_apart(checkpoints, monkeypatch):
     batch = decode_batch(model, torch.Generator().manual_seed(11))
     calls = []
     kernels = native.kernels()
-    run = kernels.decode_layers
+    run = kernels.decode_chain
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "decode_layers", lambda *a, **k: calls.append(1) or run(*a, **k))
+        patch.setattr(kernels, "decode_chain", lambda *a, **k: calls.append(1) or run(*a, **k))
         logits = model.forward_batch(batch)
     assert calls == [] and torch.equal(logits, chained)
 
@@ -173,11 +209,6 @@ def test_a_batch_that_gathers_its_logits_rows_runs_the_tail_in_torch(checkpoints
     model = open_tiny(checkpoints["olmoe"], torch.bfloat16)
     batch = decode_batch(model, torch.Generator().manual_seed(11))
     batch.logits_indices = torch.tensor([2, 0])
-    kernels, tails = native.kernels(), []
-    run = kernels.decode_layers
-    def counted(*args, **kwargs):
-        result = run(*args, **kwargs)
-        tails.append(result[3] is not None)
-        return result
-    monkeypatch.setattr(kernels, "decode_layers", counted)
+    tails = []
+    _watch_calls(monkeypatch, lambda first, done, logits: tails.append(logits is not None))
     assert torch.equal(model.forward_batch(batch), every_row[[2, 0]]) and tails == [False]
