@@ -5,8 +5,9 @@ imported as `mox models import --quantize` writes it (quantized, then repacked e
 
   bytes      one expert as stored (weights + scales), and the share of bf16's
   decode     tok/s at 1 and 8 sequences (the prefill timed apart and subtracted), every
-             expert resident, bf16 activations; variants
-             alternate within each repeat, so the ratios to bf16 come from one run
+             expert resident, bf16 activations; every format loaded at once and timed in
+             rounds, each format first in turn, a repeat's figure its rounds' median, so the
+             ratios to bf16 come from the same minutes
   cold TTFT  8- and 32-token prompts with the checkpoint evicted from the page cache
              (posix_fadvise DONTNEED, mincore-checked), pool sized for every expert; in
              rounds that take every format back to back, each format first in turn, since
@@ -49,6 +50,10 @@ TIMED_CALLS = 3       # per figure; this 2-core VM's neighbours add noise, never
 BATCHES = (1, 8)
 COLD_LENGTHS = (8, 32)
 COLD_ROUNDS = 4       # per repeat and prompt length: every format once a round
+# per repeat and batch: every format's decode once a round, each first in turn (the memory's
+# read rate moves 30-50% from one minute to the next on this VM: formats measured one after
+# another, each loaded, timed at every batch and dropped, compared different minutes)
+DECODE_ROUNDS = 3
 AGREEMENT_TOKENS = 32
 AGREEMENT_PROMPTS = 8
 
@@ -129,15 +134,21 @@ def measure(home: str, repeats: int, preset: str) -> dict:
     decode = {kind: {b: [] for b in BATCHES} for kind in paths}
     cold = {kind: {n: [] for n in COLD_LENGTHS} for kind in paths}   # [repeat][round]
     loads = []
+    kinds = list(paths)
     for repeat in range(repeats):
         loads.append(machine_load())
-        for kind, path in paths.items():
-            llm = LLM(path)
+        llms = {kind: LLM(path) for kind, path in paths.items()}
+        for llm in llms.values():
             decode_rate(llm, prompts[:1])                         # warm-up
-            for b in BATCHES:
-                decode[kind][b].append(decode_rate(llm, prompts[:b]))
-            del llm
-        kinds = list(paths)
+        for b in BATCHES:
+            rounds: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for round_ in range(DECODE_ROUNDS):
+                first = round_ % len(kinds)
+                for kind in kinds[first:] + kinds[:first]:
+                    rounds[kind].append(decode_rate(llms[kind], prompts[:b]))
+            for kind in kinds:
+                decode[kind][b].append(statistics.median(rounds[kind]))
+        del llms, llm
         for n in COLD_LENGTHS:
             for kind in kinds:
                 cold[kind][n].append([])
