@@ -245,20 +245,6 @@ class NativeKernels:
             raise ValueError(f"moe_block refused T={num_tokens} H={hidden} I={inter}")
         return weights, ids, (x_out if status == 0 else None)
 
-    def decode_layers(self, step: StepLayers, first: int, x: torch.Tensor, h: torch.Tensor,
-                      tables: tuple[torch.Tensor, torch.Tensor],
-                      store: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
-                      kv_slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
-                      activation: Activation = SILU_GATE, b13: torch.Tensor | None = None,
-                      b2: torch.Tensor | None = None, tail: StepTail | None = None
-                      ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One decode step's layers from `first` on: `decode_chain` of one step."""
-        cos, sin = (t.reshape(t.shape[0], -1) for t in tables)
-        rows = DecodeRows(cos, sin, slot_mapping[None], lengths[None], kv_slots, starts)
-        return self.decode_chain(step, x, h, rows, store, w13, w2, scales, activation, b13,
-                                 b2, tail)(first, 0)
-
     def decode_chain(self, step: StepLayers, x: torch.Tensor, h: torch.Tensor,
                      rows: DecodeRows, store: tuple[torch.Tensor, torch.Tensor],
                      w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,

@@ -48,26 +48,27 @@ from mox.demo import ensure_demo_models
 from mox.kernels import native
 path = next(iter(ensure_demo_models(home, "bench", 0.0, ("olmoe",)).values()))
 llm = LLM(path, dtype="bfloat16", max_batched_tokens=1024)
-kernels, inside, gaps, last = native.kernels(), [0.0], [], {}
-def timed(call, name):
+kernels, inside, gaps, last = native.kernels(), [0.0], [], [None]
+def timed(call, chained):
     def wrapper(*args):
         start = time.perf_counter()
-        if name in last:
-            gaps.append(start - last[name])
+        if chained and last[0] is not None:       # since the previous decode_layers call
+            gaps.append(start - last[0])
         try:
             return call(*args)
         finally:
             inside[0] += time.perf_counter() - start
-            if name == "_decode_layers":
-                last[name] = time.perf_counter()
+            if chained:
+                last[0] = time.perf_counter()
     return wrapper
 for name in ("_decode_layers", "_gemv", "_norm", "_route"):
-    setattr(kernels, name, timed(getattr(kernels, name), name))
+    setattr(kernels, name, timed(getattr(kernels, name), name == "_decode_layers"))
 rng = random.Random(0)
 prompts = [[rng.randrange(1, 30000) for _ in range(16)] for _ in range(seqs)]
 def run(n):
     inside[0], start = 0.0, time.perf_counter()
-    gaps.clear(), last.clear()
+    gaps.clear()
+    last[0] = None
     llm.generate(prompt_token_ids=prompts, max_tokens=n, temperature=0.0, ignore_eos=True)
     return time.perf_counter() - start, inside[0]
 with torch.inference_mode():

@@ -223,7 +223,7 @@ class MoEDecoder:
                 while going:                        # steps back to back while resident
                     done, weights, ids, logits = chain(first, step)
                     hold.used += zip(moe_layers[first:done],
-                                     ids.numpy().reshape(len(ids), -1)[first:done].tolist())
+                                     ids.numpy().reshape(num_layers, -1)[first:done].tolist())
                     if done < num_layers:
                         break
                     first, going = 0, finish_step(logits)

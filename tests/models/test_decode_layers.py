@@ -52,7 +52,7 @@ def _watch_calls(patch, seen) -> None:
 
 
 def _step(path: str, monkeypatch, chained: bool, slots_share: float = 1.0):
-    """A fresh model's decode-batch logits, the `decode_layers` calls' first layers,
+    """A fresh model's decode-batch logits, the decode_layers.c calls' first layers,
     results and whether each ran the tail (final norm and lm_head), and the pager's counters
     after it."""
     model = open_tiny(path, torch.bfloat16)
@@ -126,10 +126,8 @@ def test_the_table_follows_a_kv_store_that_grows(checkpoints, monkeypatch):
     kernels, x = native.kernels(), torch.zeros(3, model.spec.hidden_size, dtype=torch.bfloat16)
     pool = model.experts.slot_pool
     with pytest.raises(ValueError, match="another KV store"):
-        kernels.decode_layers(table, 0, x, torch.empty_like(x),
-                              batch.rotary_tables(model.rotary), (keys, values),
-                              batch.slot_mapping, batch.kv_slots, *batch.key_ranges,
-                              pool.w13, pool.w2)
+        kernels.decode_chain(table, x, torch.empty_like(x), batch.decode_rows(model.rotary),
+                             (keys, values), pool.w13, pool.w2)
 
 
 def test_a_chain_refuses_rows_that_are_not_one_per_token_and_step(checkpoints):
