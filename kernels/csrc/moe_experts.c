@@ -35,7 +35,10 @@
  * at ~31 GB/s for minutes, then 45-56 for a while: against a GEMV stream timed the moment
  * before (bench/micro/moe_stream.py --base 1af951e, two runs), 128-row claims throughout (one
  * barrier a call) read experts at 0.92-0.98x the stream's rate at 8 and 32 tokens in the slow
- * spells and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x. */
+ * spells and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x.
+ * A claim holds CHUNK_ROWS bf16 rows' bytes: 2x the rows for the 8-bit formats, 4x for the
+ * 4-bit ones (int4's 64-row claims were 32 KiB runs of gate rows, read at 0.83-0.91x the
+ * rate of 256-row claims over experts preset shapes, one and two experts a call). */
 #define CHUNK_ROWS 64
 #define TAIL_PER_THREAD 2
 
@@ -85,7 +88,10 @@ static void integer_rows(const qrows_t *qx, int64_t first, int64_t count, pool_t
     for (int64_t c = 0; c < count; c += MAX_ROWS) {
         int m = count - c < MAX_ROWS ? (int)(count - c) : MAX_ROWS;
         float *o = out + c * ldy;
-        if (fast && has_vnni)
+        if (fast && has_vnni && qx->pairs == 2 * QBLOCK)
+            int4_rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, wscale, per_row, p.group,
+                           o, ldy);
+        else if (fast && has_vnni)
             rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
                       p.group, o, ldy);
         else if (fast)
@@ -174,7 +180,7 @@ typedef struct {
     int64_t H, I;
     float *gate_up, *act_f, *down;
     uint16_t *act;
-    int quantized, packed, isa;
+    int quantized, isa;
 } experts_t;
 
 /* gate rows [i0, i1) of active slot a, the same up rows, and their activations (quantized
@@ -189,9 +195,7 @@ static void gate_up_rows(const experts_t *e, int64_t a, int64_t i0, int64_t i1) 
     activate_rows(e->g, e->slots[a], first, count, i0, i1, I, e->gate_up, e->act, e->act_f);
     if (e->quantized)
         for (int64_t p = first; p < first + count; p++)
-            quantize_row(e->act + p * I + i0, i1 - i0, e->packed, e->q2->q + p * I + i0,
-                         e->q2->scale + p * (I / QBLOCK) + i0 / QBLOCK,
-                         e->q2->sum32 + p * (I / 32) + i0 / 32);
+            quantize_blocks(e->act, e->q2, p, i0 / QBLOCK, i1 / QBLOCK);
 }
 
 /* down rows [h0, h1) of active slot a (+ bias), each output row scaled by its routing weight */
@@ -231,10 +235,14 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     const gating_t *g = gating ? gating : &silu;
     /* activations quantized to int8 for the integer formats */
     int quantized = p13.kind != WEIGHTS_BF16 && p13.kind != WEIGHTS_FP8;
-    int packed = p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4;
     int isa = fast ? mox_vector_isa() : ISA_PLAIN;
     if (has_vnni < 0)
         has_vnni = mox_has_avx512vnni();
+    /* how the activations meet packed weights (qrows_t): int4 in groups of a multiple of
+     * 128 (so H and I are too) takes int4_rows_vnni where the CPU has VNNI */
+    int pairs = p13.kind != WEIGHTS_INT4 && p13.kind != WEIGHTS_MXFP4 ? 0 : QBLOCK;
+    if (p13.kind == WEIGHTS_INT4 && isa != ISA_PLAIN && has_vnni && p13.group % (2 * QBLOCK) == 0)
+        pairs = 2 * QBLOCK;
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || isa == ISA_PLAIN
                                || (p13.kind == WEIGHTS_FP8 && isa == ISA_PLAIN)))
         return -1;
@@ -253,7 +261,8 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     int bf16_avx2 = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX2;
     float *rows_f = bf16_avx2 ? widen_rows(rows, H, num_rows, H, isa) : NULL;
     float *act_f = bf16_avx2 ? malloc(sizeof(float) * (size_t)(num_rows * I)) : NULL;
-    if ((quantized && !(qrows_alloc(&q13, num_rows, H) && qrows_alloc(&q2, num_rows, I)))
+    if ((quantized && !(qrows_alloc(&q13, num_rows, H, pairs)
+                        && qrows_alloc(&q2, num_rows, I, pairs)))
         || (bf16_avx2 && (rows_f == NULL || act_f == NULL))) {
         qrows_free(&q13);
         qrows_free(&q2);
@@ -262,18 +271,18 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         return -2;
     }
     experts_t e = {rows, rows_f, row_weights, &q13, &q2, p13, p2, g, slots, starts, counts, H,
-                   I, gate_up, act_f, down, act, quantized, packed, isa};
+                   I, gate_up, act_f, down, act, quantized, isa};
     int64_t tail = TAIL_PER_THREAD * omp_get_max_threads();
     int64_t whole = num_active > tail ? num_active - tail : 0;   /* experts claimed whole */
-    int64_t gate_chunks = (I + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    int64_t down_chunks = (H + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int64_t chunk = CHUNK_ROWS * (p13.kind == WEIGHTS_BF16 ? 1 : pairs ? 4 : 2);
+    int64_t gate_chunks = (I + chunk - 1) / chunk;
+    int64_t down_chunks = (H + chunk - 1) / chunk;
     #pragma omp parallel
     {
         if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
-                quantize_row(rows + p * H, H, packed, q13.q + p * H,
-                             q13.scale + p * (H / QBLOCK), q13.sum32 + p * (H / 32));
+                quantize_blocks(rows, &q13, p, 0, H / QBLOCK);
         }
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t a = 0; a < whole; a++) {
@@ -284,12 +293,12 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
          * rows read every activation of their expert) the down rows */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < (num_active - whole) * gate_chunks; j++) {
-            int64_t i0 = (j % gate_chunks) * CHUNK_ROWS, i1 = i0 + CHUNK_ROWS;
+            int64_t i0 = (j % gate_chunks) * chunk, i1 = i0 + chunk;
             gate_up_rows(&e, whole + j / gate_chunks, i0, i1 < I ? i1 : I);
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < (num_active - whole) * down_chunks; j++) {
-            int64_t h0 = (j % down_chunks) * CHUNK_ROWS, h1 = h0 + CHUNK_ROWS;
+            int64_t h0 = (j % down_chunks) * chunk, h1 = h0 + chunk;
             down_rows(&e, whole + j / down_chunks, h0, h1 < H ? h1 : H);
         }
     }

@@ -21,39 +21,50 @@
 
 #define QBLOCK 64              /* activation values sharing one scale */
 #define PREFETCH_AHEAD_QUANT 1024 /* AVX2 row loops: prefetch 1 KiB ahead (see QUANT_ROWS) */
+#define PREFETCH_AHEAD_INT4 2048  /* int4_row_vnni_m */
 
 enum { WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_MXFP4, WEIGHTS_FP8 };
 
-/* Activation rows [M, K] quantized: q (packed pools: each block deinterleaved, lane i holding
- * value 2i and lane 32 + i value 2i + 1, as the nibbles unpack), per block its scale, and per
- * 32 values (in the row's order: MXFP4 scales groups of 32) scale * sum(q), for the weights'
- * offset. */
+/* Activation rows [M, K] quantized: q, per block of QBLOCK its scale, and per 32 values (in
+ * the row's order: MXFP4 scales groups of 32) scale * sum(q), for the weights' offset. Packed
+ * pools (two values a byte, the low nibble first) meet q deinterleaved within spans of
+ * `pairs` values, as the nibbles unpack: lane i of a span holds value 2i, lane pairs / 2 + i
+ * value 2i + 1 (pairs 64: one block, one 32-byte load of weights; 128: two blocks, one
+ * 64-byte load, int4_rows_vnni); pairs 0: in order. */
 typedef struct {
     int8_t *q;
     float *scale;
     float *sum32;
     int64_t K;
+    int pairs;
 } qrows_t;
 
-static void quantize_row(const uint16_t *x, int64_t K, int deinterleave, int8_t *q,
-                         float *scale, float *sum32) {
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
+/* blocks [b0, b1) of row p of x (bf16, K values a row) quantized into qx */
+static void quantize_blocks(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
+                            int64_t b1) {
+    int64_t K = qx->K, nb = K / QBLOCK, pairs = qx->pairs;
+    int8_t *q = qx->q + p * K;
+    for (int64_t b = b0; b < b1; b++) {
         float v[QBLOCK], amax = 0.0f;
         for (int i = 0; i < QBLOCK; i++) {
-            v[i] = bf16_to_f32(x[b * QBLOCK + i]);
+            v[i] = bf16_to_f32(x[p * K + b * QBLOCK + i]);
             amax = fmaxf(amax, fabsf(v[i]));
         }
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int total[2] = {0, 0};
+        /* the block's span and its offset there (pairs: a power of two) */
+        int64_t span = pairs ? b * QBLOCK & -pairs : b * QBLOCK;
+        int64_t offset = pairs ? b * QBLOCK & (pairs - 1) : 0;
         for (int i = 0; i < QBLOCK; i++) {
-            int lane = deinterleave ? (i % 2 ? QBLOCK / 2 + i / 2 : i / 2) : i;
+            int64_t o = offset + i;
             int t = (int)lrintf(v[i] * inv);
-            q[b * QBLOCK + lane] = (int8_t)t;
+            q[span + (!pairs ? o : o & 1 ? pairs / 2 + o / 2 : o / 2)] = (int8_t)t;
             total[i / 32] += t;
         }
-        scale[b] = amax / 127.0f;
-        sum32[2 * b] = scale[b] * (float)total[0];
-        sum32[2 * b + 1] = scale[b] * (float)total[1];
+        float scale = amax / 127.0f;
+        qx->scale[p * nb + b] = scale;
+        qx->sum32[2 * (p * nb + b)] = scale * (float)total[0];
+        qx->sum32[2 * (p * nb + b) + 1] = scale * (float)total[1];
     }
 }
 
@@ -263,8 +274,75 @@ QUANT_ROWS(avx2, __attribute__((target("avx2,fma"))), __m256, bytes_avx2_t, _mm2
            _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_ps, sum8, 0.0f,
            PREFETCH_AHEAD_QUANT)
 
-/* the stored weight at lane i of block b (packed: deinterleaved as the activations), as an
- * integer: int8 and int4 values, MXFP4's 2v */
+/* int4 rows in groups of a multiple of 128 against activations in spans of 128 (pairs 128):
+ * one 64-byte load holds 128 weights, its low nibbles (the span's even values) meet the
+ * span's first 64 activation bytes and its high nibbles the next 64, and the int32 sums of
+ * the span's two blocks land apart (lanes 0-7: its first block, 8-15: its second), each
+ * block keeping its own scale. Per 128 weights that is one load, three bitwise ops and two
+ * VPDPBUSD, where two 32-byte loads (row_q_vnni) also took a lane-crossing insert each, a
+ * convert and a multiply-add more: that loop read int4 experts at ~2/3 of bf16's rate
+ * (compute-bound; bench/micro/expert_rate.py). */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __attribute__((always_inline)) void int4_row_vnni_m(
+        const qrows_t *x, int64_t m0, const int M, const uint8_t *row, const float *wscale,
+        int64_t group, float *out, int64_t ldy) {
+    int64_t K = x->K, nb = K / QBLOCK;
+    __m512i low = _mm512_set1_epi8(15);
+    __m512 total[MAX_ROWS];
+    float corr[MAX_ROWS] = {0};
+    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
+    const uint8_t *w = row;
+    for (int64_t b0 = 0, g = 0; b0 < nb; b0 += group / QBLOCK, g++) {
+        __m512 acc[MAX_ROWS];
+        float sums[MAX_ROWS] = {0};
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b0 + group / QBLOCK; b += 2, w += QBLOCK) {
+            _mm_prefetch((const char *)(w + PREFETCH_AHEAD_INT4), _MM_HINT_T0);
+            __m512i bytes = _mm512_loadu_si512(w);
+            __m512i even = _mm512_and_si512(bytes, low);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+            for (int m = 0; m < M; m++) {
+                int64_t qb = (m0 + m) * nb + b;
+                const int8_t *xq = x->q + qb * QBLOCK;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even,
+                                                _mm512_loadu_si512(xq));
+                d = _mm512_dpbusd_epi32(d, odd, _mm512_loadu_si512(xq + QBLOCK));
+                __m512 scales = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(x->scale[qb]),
+                                                     _mm512_set1_ps(x->scale[qb + 1]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scales, acc[m]);
+                const float *s32 = x->sum32 + 2 * qb;
+                sums[m] += (s32[0] + s32[1]) + (s32[2] + s32[3]);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(wscale[g]), total[m]);
+            corr[m] += wscale[g] * sums[m];
+        }
+    }
+    for (int m = 0; m < M; m++)      /* the nibbles hold v + 8 */
+        out[m * ldy] = _mm512_reduce_add_ps(total[m]) - 8.0f * corr[m];
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __attribute__((always_inline)) void int4_rows_vnni_m(
+        const qrows_t *x, int64_t m0, const int M, const uint8_t *w, int64_t row_bytes,
+        int64_t N, const float *wscale, int64_t per_row, int64_t group, float *out,
+        int64_t ldy) {
+    for (int64_t n = 0; n < N; n++)
+        int4_row_vnni_m(x, m0, M, w + n * row_bytes, wscale + n * per_row, group, out + n, ldy);
+}
+
+/* int4 weight rows [0, N) against x rows m0 .. m0 + M quantized with pairs 128 */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void int4_rows_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *w,
+                           int64_t row_bytes, int64_t N, const float *wscale, int64_t per_row,
+                           int64_t group, float *out, int64_t ldy) {
+    ROWS_CONSTANT(M, int4_rows_vnni_m, x, m0, w, row_bytes, N, wscale, per_row, group, out,
+                  ldy)
+}
+
+/* the stored weight at lane i of block b (packed: deinterleaved as the activations, pairs
+ * 64), as an integer: int8 and int4 values, MXFP4's 2v */
 static inline int plain_weight(const uint8_t *row, int64_t b, int i, int kind) {
     if (kind == WEIGHTS_INT8)
         return (int8_t)row[b * QBLOCK + i];
@@ -389,8 +467,9 @@ static void row_fp8_plain(const uint16_t *x, int64_t ldx, int M, const uint8_t *
     }
 }
 
-static int qrows_alloc(qrows_t *q, int64_t rows, int64_t K) {
+static int qrows_alloc(qrows_t *q, int64_t rows, int64_t K, int pairs) {
     q->K = K;
+    q->pairs = pairs;
     q->q = malloc((size_t)(rows * K));
     q->scale = malloc(sizeof(float) * (size_t)(rows * K / QBLOCK));
     q->sum32 = malloc(sizeof(float) * (size_t)(rows * K / 32));
