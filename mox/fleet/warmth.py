@@ -76,7 +76,7 @@ def home(candidates: Sequence[Candidate], model: str) -> Candidate:
     Models with traffic (by the reports' rates, summed over replicas) get their homes by
     balance: the busiest first, each to the replica whose homed models carry the least
     traffic so far, so a replica's half of the budget does not hold the hottest model and
-    others beside (a hash gave one replica 4 models with 65% of the requests in
+    others beside (a hash gave one replica 4 models with 66% of the requests in
     harness-ray-12-home). Any other model, and any model while no replica reports rates, goes
     to the highest hash of (model, replica). Either way every router process reading the same
     reports gives the same answer, and the answer matters only while the model is warm
