@@ -3,10 +3,7 @@ router ranks replicas for a request (pure functions, tested without Ray).
 
 A replica's report (its Ray Serve routing stats) is a plain dict:
 
-    {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62},
-     "rate": {"olmoe-demo": 0.21}}
-
-`rate`: the models' request rates there (req/s, models with none left out).
+    {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62}}
 
 `warmth` of a model is 0 while its dense weights are off the replica, and 0.5 + half the
 share of its experts resident once they are on (a warm model with no expert in a slot still
@@ -42,9 +39,7 @@ def replica_report(snapshot: dict) -> dict:
     """A router snapshot -> the routing stats a replica reports."""
     models = snapshot["models"]
     return {"queue": sum(m["running"] + m["waiting"] for m in models.values()),
-            "warmth": {name: model_warmth(m) for name, m in models.items()},
-            "rate": {name: m["request_rate"] for name, m in models.items()
-                     if m.get("request_rate", 0.0) > 0.0}}
+            "warmth": {name: model_warmth(m) for name, m in models.items()}}
 
 
 @dataclass(frozen=True)
@@ -58,42 +53,15 @@ class Candidate:
     key: str = ""                  # the replica's id, stable while it lives ("": str(replica))
 
 
-def _hash(*parts: str) -> int:
-    return zlib.crc32("/".join(parts).encode())
-
-
-def _key(candidate: Candidate) -> str:
-    return candidate.key or str(candidate.replica)
-
-
 def home(candidates: Sequence[Candidate], model: str) -> Candidate:
-    """The model's home among the replicas. A model warm nowhere starts at home. Without a
-    home, its cold start went to the replica with the shorter queue, and each replica spent
-    budget on it (bench/results/harness-ray-9-unbounded, -10: 4 of 8 models landed on both
-    replicas; the fleet read 1.13x and 1.36x what one process read; with a home, -11-home and
-    -12-home, 1.13x and 1.18x).
+    """The model's home among the replicas: the highest hash of (model, replica), the same
+    answer in every router process, and when a replica goes, only its models move.
 
-    Models with traffic (by the reports' rates, summed over replicas) get their homes by
-    balance: the busiest first, each to the replica whose homed models carry the least
-    traffic so far, so a replica's half of the budget does not hold the hottest model and
-    others beside (a hash gave one replica 4 models with 66% of the requests in
-    harness-ray-12-home). Any other model, and any model while no replica reports rates, goes
-    to the highest hash of (model, replica). Either way every router process reading the same
-    reports gives the same answer, and the answer matters only while the model is warm
-    nowhere, so a home that moves with the rates costs no reload."""
-    rates: dict[str, float] = {}
-    for c in candidates:
-        for name, rate in ((c.report or {}).get("rate") or {}).items():
-            rates[name] = rates.get(name, 0.0) + rate
-    if model in rates:
-        load = {_key(c): 0.0 for c in candidates}
-        by_key = {_key(c): c for c in candidates}
-        for name in sorted(rates, key=lambda n: (-rates[n], _hash(n))):
-            least = min(load, key=lambda k: (load[k], _hash(name, k)))
-            if name == model:
-                return by_key[least]
-            load[least] += rates[name]
-    return max(candidates, key=lambda c: _hash(model, _key(c)))
+    A model warm nowhere starts at home. Without a home, its cold start went to the replica
+    with the shorter queue, and each replica spent budget on it (bench/results/harness-ray-9-
+    unbounded, -10: 4 of 8 models landed on both replicas; the fleet read 1.13x and 1.36x
+    what one process read; with a home, -11-home and -12-home, 1.13x and 1.18x)."""
+    return max(candidates, key=lambda c: zlib.crc32(f"{model}/{c.key or c.replica}".encode()))
 
 
 def score(candidate: Candidate, model: str, is_home: bool = False) -> float:
