@@ -282,7 +282,7 @@ QUANT_ROWS(avx2, __attribute__((target("avx2,fma"))), __m256, bytes_avx2_t, _mm2
  * VPDPBUSD, where two 32-byte loads (row_q_vnni) also took a lane-crossing insert each, a
  * convert and a multiply-add more. row_q_vnni read int4 experts at ~2/3 of bf16's rate; this
  * loop alone read 1.03-1.10x its rate (perf: most samples wait on the weight load), and with
- * the prefetch PREFETCH_AHEAD_INT4 ahead 1.19x (1 KiB 1.07x, 4 KiB 1.17x; two experts a call,
+ * the prefetch PREFETCH_AHEAD_INT4 ahead 1.19x (1 KiB 1.14x, 4 KiB 1.17x; two experts a call,
  * experts preset shapes, alternated builds). */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline __attribute__((always_inline)) void int4_row_vnni_m(
