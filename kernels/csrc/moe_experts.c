@@ -274,7 +274,9 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
                    I, gate_up, act_f, down, act, quantized, isa};
     int64_t tail = TAIL_PER_THREAD * omp_get_max_threads();
     int64_t whole = num_active > tail ? num_active - tail : 0;   /* experts claimed whole */
-    int64_t chunk = CHUNK_ROWS * (p13.kind == WEIGHTS_BF16 ? 1 : pairs ? 4 : 2);
+    int bits = p13.kind == WEIGHTS_BF16 ? 16
+               : p13.kind == WEIGHTS_INT4 || p13.kind == WEIGHTS_MXFP4 ? 4 : 8;
+    int64_t chunk = CHUNK_ROWS * 16 / bits;         /* a claim: CHUNK_ROWS bf16 rows' bytes */
     int64_t gate_chunks = (I + chunk - 1) / chunk;
     int64_t down_chunks = (H + chunk - 1) / chunk;
     #pragma omp parallel

@@ -304,7 +304,8 @@ static inline __attribute__((always_inline)) void int4_row_vnni_m(
             __m512i even[2], odd[2];
             for (int r = 0; r < R; r++) {
                 const uint8_t *w = row + r * row_bytes + b * (QBLOCK / 2);
-                if (r == R - 1)     /* rows are consecutive: one prefetch covers both */
+                if (r == R - 1)     /* one a pass: the second row's, which runs ahead of the
+                                     * first's (the rows are consecutive) */
                     _mm_prefetch((const char *)(w + PREFETCH_AHEAD_INT4), _MM_HINT_T0);
                 __m512i bytes = _mm512_loadu_si512(w);
                 even[r] = _mm512_and_si512(bytes, low);
