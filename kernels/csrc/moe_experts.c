@@ -91,6 +91,8 @@ static void integer_rows(const qrows_t *qx, int64_t first, int64_t count, pool_t
         if (fast && has_vnni && qx->pairs == 2 * QBLOCK)
             int4_rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, wscale, per_row, p.group,
                            o, ldy);
+        else if (fast && has_vnni && p.kind == WEIGHTS_INT8 && !p.group)
+            int8_rows_vnni(qx, first + c, m, w, n1 - n0, wscale, o, ldy);
         else if (fast && has_vnni)
             rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
                       p.group, o, ldy);
