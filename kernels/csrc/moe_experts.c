@@ -36,6 +36,12 @@
  * before (bench/micro/moe_stream.py --base 1af951e, two runs), 128-row claims throughout (one
  * barrier a call) read experts at 0.92-0.98x the stream's rate at 8 and 32 tokens in the slow
  * spells and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x.
+ * The tail's claims are handed out guided, not one at a time: a thread's first claim is
+ * half of what is left over the threads, then the claims shrink, so each thread reads long
+ * runs of adjacent chunks and the last small claims still even out the finish. One chunk at a
+ * claim had the two threads alternating 128 KiB runs through the same rows: in a fast spell
+ * (the GEMV over the same bytes at 64-72 GB/s) four bench experts for one token read at 48
+ * GB/s that way and 60-64 guided, static, or as whole experts (alternated builds).
  * A claim holds CHUNK_ROWS bf16 rows' bytes: 2x the rows for the 8-bit formats, 4x for the
  * 4-bit ones (int4's 64-row claims were 32 KiB runs of gate rows, read at 0.83-0.91x the
  * rate of 256-row claims over experts preset shapes, one and two experts a call). */
@@ -296,12 +302,12 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         }
         /* the tail: gate and up rows a chunk at a claim, then (after the barrier: the down
          * rows read every activation of their expert) the down rows */
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(guided)
         for (int64_t j = 0; j < (num_active - whole) * gate_chunks; j++) {
             int64_t i0 = (j % gate_chunks) * chunk, i1 = i0 + chunk;
             gate_up_rows(&e, whole + j / gate_chunks, i0, i1 < I ? i1 : I);
         }
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(guided)
         for (int64_t j = 0; j < (num_active - whole) * down_chunks; j++) {
             int64_t h0 = (j % down_chunks) * chunk, h1 = h0 + chunk;
             down_rows(&e, whole + j / down_chunks, h0, h1 < H ? h1 : H);
