@@ -22,6 +22,7 @@ import ctypes
 import functools
 import itertools
 import os
+import time
 
 import torch
 
@@ -56,6 +57,9 @@ GEMV_MAX_ROWS = 1024    # bf16_gemv.c's MAX_GEMV_ROWS
 MAX_ROWS = {"avx512bf16": 64, "avx2": GEMV_MAX_ROWS}
 MAX_ROWS_PER_EXPERT = {"avx512bf16": 64, "avx2": 1 << 30}
 OUT_F32, OUT_BF16 = 0, 1       # mox_gemv_bf16's outputs (csrc/exported.h)
+# csrc/timeline.h's phases, in its order
+TIMELINE_PHASES = ("qkv", "qk_norm", "rope", "attend", "out", "router", "route", "experts",
+                   "combine", "tail", "calls")
 # Set by `torch_paths()`: benchmarks compare against the path this module replaces in one run.
 _OFF = contextvars.ContextVar("mox_native_off", default=False)
 
@@ -125,11 +129,33 @@ class NativeKernels:
                           + [ctypes.c_float] + [ctypes.c_void_p] * 2)
         route.restype = ctypes.c_int
         self._route = route
+        take = self._lib.mox_timeline_take
+        take.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        take.restype = ctypes.c_int
+        self._timeline_take = take
+        self._timeline_now = self._lib.mox_timeline_now
+        self._timeline_now.restype = ctypes.c_uint64
+        self._timeline_hz: float | None = None
         # the vector path `fast` calls take: AVX512-BF16, else AVX2 + FMA (weights widened to
         # float32 in registers; integer experts through AVX512-VNNI where the CPU has it, else
         # AVX2's two-step byte dot)
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
         self.fast = self.isa != "plain"
+
+    def timeline_take(self) -> dict[str, float] | None:
+        """Seconds per phase of the native decode calls since the last take (`calls`: their
+        number), then zeroed; None in a library built without the timeline."""
+        cycles = (ctypes.c_uint64 * len(TIMELINE_PHASES))()
+        if self._timeline_take(cycles, len(cycles)) != len(cycles):
+            return None
+        if self._timeline_hz is None:          # the TSC's rate, against the wall clock
+            start, tsc = time.perf_counter(), self._timeline_now()
+            while time.perf_counter() - start < 0.1:
+                pass
+            self._timeline_hz = (self._timeline_now() - tsc) / (time.perf_counter() - start)
+        taken = {phase: n / self._timeline_hz for phase, n in zip(TIMELINE_PHASES, cycles)}
+        taken["calls"] = cycles[-1]
+        return taken
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
              fast: bool = True) -> torch.Tensor:
@@ -413,10 +439,12 @@ class NativeKernels:
 
 @functools.cache
 def kernels() -> NativeKernels | None:
-    """The loaded library, or None where it cannot be built (or is switched off)."""
+    """The loaded library, or None where it cannot be built (or is switched off);
+    MOX_NATIVE_TIMELINE=1 builds it with the phase timeline (NativeKernels.timeline_take)."""
     if os.environ.get("MOX_NATIVE_KERNELS", "1") == "0":
         return None
-    path = build(SOURCE_DIR)
+    timeline = os.environ.get("MOX_NATIVE_TIMELINE") == "1"
+    path = build(SOURCE_DIR, ("MOX_TIMELINE",) if timeline else ())
     return NativeKernels(path) if path is not None else None
 
 

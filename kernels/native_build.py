@@ -21,13 +21,14 @@ def _cache_dir() -> str:
     return os.path.join(base, "mox", "native")
 
 
-def build(source_dir: str) -> str | None:
+def build(source_dir: str, defines: tuple[str, ...] = ()) -> str | None:
     """One shared library of every C file in `source_dir`, compiled once per hash of the
-    folder's sources and headers (None: no compiler, or no writable cache)."""
+    folder's sources and headers and the macros `defines` (e.g. "MOX_TIMELINE": csrc/
+    timeline.h) (None: no compiler, or no writable cache)."""
     files = sorted(os.path.join(source_dir, f) for f in os.listdir(source_dir)
                    if f.endswith((".c", ".h")))
     sources = [f for f in files if f.endswith(".c")]
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(defines).encode())
     for path in files:
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -44,7 +45,7 @@ def build(source_dir: str) -> str | None:
     os.close(fd)
     # (no FMA contraction: rope_kv.c must round as torch's separate multiply and add do)
     command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=off", "-fopenmp", "-shared",
-               "-fPIC", *sources,
+               "-fPIC", *(f"-D{name}" for name in defines), *sources,
                "-o", staged, "-lm"]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)

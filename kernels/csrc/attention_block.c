@@ -18,6 +18,7 @@
 
 #include "bf16.h"
 #include "exported.h"
+#include "timeline.h"
 #include "layers.h"
 
 /* out [T, n] = y + b (b's row stride b_ld: 0 for a bias), rounded to bf16 as torch's add */
@@ -57,6 +58,7 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
     uint16_t *h = (uint16_t *)(scores + T * qw), *qkv = h + T * H, *normed = qkv + T * width;
     uint16_t *attended = normed + T * (qw + kw), *projected = attended + T * qw;
     int status;
+    TIMELINE_START;
     if ((status = mox_rms_norm_bf16(x, H, L->input_norm, h, H, T, H, L->eps)) != 0
         || (status = mox_gemv_bf16(h, H, L->qkv, H, qkv, width, T, width, H, OUT_BF16,
                                    1)) != 0)
@@ -64,6 +66,7 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
     if (L->qkv_bias)
         add_rows(qkv, width, L->qkv_bias, 0, T, width, qkv, width);
     uint16_t *q = qkv, *k = qkv + qw, *v = qkv + qw + kw;
+    TIMELINE_MARK(PHASE_QKV);
     int64_t ldq = width, ldk = width;
     if (L->qk_norm == QK_NORM_FULL) {           /* into compact rows, as torch returns them */
         if ((status = mox_rms_norm_bf16(q, width, L->q_norm, normed, qw, T, qw, L->eps)) != 0
@@ -79,13 +82,17 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
                                                L->kv_heads, d, L->eps)) != 0)
                 goto done;
     }
+    TIMELINE_MARK(PHASE_QK_NORM);
     if ((status = mox_rope_kv_bf16(q, ldq, k, ldk, v, width, cos, sin, ldc, T, L->heads,
                                    L->kv_heads, d, d, L->rotary_dim, L->interleaved, keys,
-                                   values, slot_mapping, store_rows)) != 0
-        || (status = mox_decode_attention_bf16(q, ldq, keys, keys, values, kw, kw, kw, kv_slots,
+                                   values, slot_mapping, store_rows)) != 0)
+        goto done;
+    TIMELINE_MARK(PHASE_ROPE);
+    if ((status = mox_decode_attention_bf16(q, ldq, keys, keys, values, kw, kw, kw, kv_slots,
                                                starts, lengths, T, L->heads, L->kv_heads, d, 0,
                                                d, L->scale, L->window, scores, 1)) != 0)
         goto done;
+    TIMELINE_MARK(PHASE_ATTEND);
     for (int64_t i = 0; i < T * qw; i++)
         attended[i] = f32_to_bf16(scores[i]);
     if ((status = mox_gemv_bf16(attended, qw, L->o, qw, projected, H, T, H, qw, OUT_BF16,
@@ -95,6 +102,7 @@ int mox_attention_block_bf16(const attention_layer_t *L, const uint16_t *x, int6
         add_rows(projected, H, L->o_bias, 0, T, H, projected, H);
     add_rows(x, H, projected, H, T, H, x_out, H);                  /* the residual */
     status = mox_rms_norm_bf16(x_out, H, L->post_norm, h_out, H, T, H, L->eps);
+    TIMELINE_MARK(PHASE_OUT);
 done:
     free(scores);
     return status;

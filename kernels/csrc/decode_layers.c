@@ -15,6 +15,36 @@
 
 #include "exported.h"
 #include "layers.h"
+#include "timeline.h"
+
+#ifdef MOX_TIMELINE
+uint64_t mox_timeline[NUM_PHASES];
+#endif
+
+/* (built with MOX_TIMELINE) each phase's cycles since the last take into out [n], then 0;
+ * returns the number of phases, or -1 in a build without the timeline */
+int mox_timeline_take(uint64_t *out, int n) {
+#ifdef MOX_TIMELINE
+    for (int i = 0; i < n && i < NUM_PHASES; i++) {
+        out[i] = mox_timeline[i];
+        mox_timeline[i] = 0;
+    }
+    return NUM_PHASES;
+#else
+    (void)out;
+    (void)n;
+    return -1;
+#endif
+}
+
+/* (built with MOX_TIMELINE) the TSC now, for Python to convert cycles to seconds; else 0 */
+uint64_t mox_timeline_now(void) {
+#ifdef MOX_TIMELINE
+    return __rdtsc();
+#else
+    return 0;
+#endif
+}
 
 /* The model's tail: the final norm [H] and the lm_head [V, H], bf16 (native_step.py's
  * StepTailStruct). */
@@ -55,6 +85,7 @@ int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_
                                uint16_t *residual, const step_tail_t *tail, float *logits) {
     if (first < 0 || first > num_layers || T < 1)
         return -1;
+    TIMELINE_COUNT(PHASE_CALLS);
     for (int64_t i = first; i < num_layers; i++) {
         const step_layer_t *l = layers + i;
         int64_t routed = T * l->moe->top_k, H = l->attention->hidden;
@@ -74,11 +105,13 @@ int64_t mox_decode_layers_bf16(const step_layer_t *layers, int64_t first, int64_
             return status;
     }
     if (tail) {
+        TIMELINE_START;
         int64_t H = layers[0].attention->hidden;
         int status = mox_rms_norm_bf16(x, H, tail->norm, h, H, T, H, tail->eps);
         if (status == 0)
             status = mox_gemv_bf16(h, H, tail->lm_head, H, logits, tail->vocab, T,
                                    tail->vocab, H, OUT_BF16_AS_F32, 1);
+        TIMELINE_MARK(PHASE_TAIL);
         if (status != 0)
             return -3;
     }

@@ -21,6 +21,7 @@
 #include "exported.h"
 #include "layers.h"
 #include "softmax.h"
+#include "timeline.h"
 
 /* ids [k] of the k largest of v [n], largest first (ties: the lower index, as
  * mox/kernels/routing.py's top_k) */
@@ -110,9 +111,11 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
     float *scores = (float *)(counts + P), *row_weights = scores + E;
     float *gate_up = row_weights + P, *down = gate_up + P * 2 * I, *sums = down + P * H;
     uint16_t *logits = (uint16_t *)(sums + T * H), *rows = logits + T * E, *act = rows + P * H;
+    TIMELINE_START;
     int status = mox_gemv_bf16(h, H, L->router, H, logits, E, T, E, H, OUT_BF16, 1);
     if (status != 0)
         goto done;
+    TIMELINE_MARK(PHASE_ROUTER);
     if (L->router_bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t e = 0; e < E; e++)
@@ -143,10 +146,12 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
         for (int64_t i = 0; i < H; i++)
             rows[r * H + i] = h[(p / k) * H + i];
     }
+    TIMELINE_MARK(PHASE_ROUTE);
     status = mox_moe_experts(rows, p13, p2, gating, slots, starts, counts, num_active,
                              row_weights, H, I, gate_up, act, down, 1);
     if (status != 0)
         goto done;
+    TIMELINE_MARK(PHASE_EXPERTS);
     for (int64_t i = 0; i < T * H; i++)
         sums[i] = 0.0f;
     for (int64_t r = 0; r < P; r++) {
@@ -158,6 +163,7 @@ int mox_moe_block_bf16(const moe_layer_t *L, const uint16_t *h, int64_t T,
         uint16_t out = f32_to_bf16(sums[i]);
         x_out[i] = residual ? f32_to_bf16(bf16_to_f32(residual[i]) + bf16_to_f32(out)) : out;
     }
+    TIMELINE_MARK(PHASE_COMBINE);
 done:
     free(buf);
     return status;

@@ -210,3 +210,24 @@ def test_a_batch_that_gathers_its_logits_rows_runs_the_tail_in_torch(checkpoints
     tails = []
     _watch_calls(monkeypatch, lambda first, done, logits: tails.append(logits is not None))
     assert torch.equal(model.forward_batch(batch), every_row[[2, 0]]) and tails == [False]
+
+
+def test_the_timeline_build_times_each_phase_and_gives_the_same_bits(checkpoints,
+                                                                    monkeypatch):
+    """MOX_NATIVE_TIMELINE=1 builds the library with csrc/timeline.h's marks: it counts the
+    chain's calls and the time of each phase of them (bench/micro/chain_timeline.py), and
+    computes the same logits as the library without them, which has no timeline."""
+    plain, _, _, _ = _step(checkpoints["olmoe"], monkeypatch, chained=True)
+    assert native.kernels().timeline_take() is None
+    monkeypatch.setenv("MOX_NATIVE_TIMELINE", "1")
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels().timeline_take()["calls"] == 0
+        timed, calls, _, _ = _step(checkpoints["olmoe"], monkeypatch, chained=True)
+        phases = native.kernels().timeline_take()
+    finally:
+        native.kernels.cache_clear()      # (the env var is restored at teardown)
+    assert torch.equal(timed, plain)
+    assert phases["calls"] == len(calls) == 1
+    assert set(phases) == set(native.TIMELINE_PHASES)
+    assert all(seconds > 0 for phase, seconds in phases.items() if phase != "calls")
