@@ -1,15 +1,23 @@
 """GPU check of the Triton fused-MoE kernels: compile, correctness against the torch path, and
 speed against the machine's measured ceilings. Run by `bench/micro/gpu_kernels.sh` on a GPU.
 
-    python -m mox.bench.micro.gpu_kernels --out DIR [--phase default|tuned]
+    python -m mox.bench.micro.gpu_kernels --out DIR [--phase default|tuned|quantized]
+    TRITON_INTERPRET=1 python -m mox.bench.micro.gpu_kernels --out DIR --phase quantized \
+        --smoke                                                          (no GPU)
 
 Writes `gpu_kernels_<phase>.json` and prints a table per model shape. FLOPs per call are
 2*T*k*3*H*I; bytes are the weights of the distinct experts hit plus activations in and out.
+The quantized phase times the kernel over int8 / int4 / FP8 / MXFP4 pools (mox.kernels.quant,
+dequantized inside the K loop) against the same experts in bf16, and checks each against the
+reference over its dequantized weights (the one definition every backend meets); `--smoke`
+runs it at toy sizes on the CPU under the Triton interpreter (which triton reads when it is
+imported: hence the variable).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -18,7 +26,22 @@ from dataclasses import asdict, dataclass
 import torch
 from triton.testing import do_bench
 
-from mox.kernels import NOT_RESIDENT, fused_moe, reference_fused_moe, softmax_topk
+from mox.bench.micro.quant_kernels import quantized_pool
+from mox.kernels import (
+    NOT_RESIDENT,
+    fused_moe,
+    fused_moe_triton,
+    reference_fused_moe,
+    softmax_topk,
+)
+from mox.kernels.moe_triton import is_interpreter
+from mox.kernels.quant import (
+    FP8_BLOCK128,
+    INT4_GROUP128,
+    INT8_PER_CHANNEL,
+    MXFP4_GROUP32,
+    dequantize_experts,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,15 @@ class Shape:
 SHAPES = [Shape("mixtral-8x7b", 8, 4096, 14336, 2), Shape("qwen3-30b-a3b", 128, 2048, 768, 8)]
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+# issue 19's shapes for the quantized paths; DeepSeek-V3's 256 routed experts are 22.5 GB in
+# bf16, so its pool here holds 64 of them (the routing still picks 8 of the 64)
+QUANT_SHAPES = [Shape("qwen3-30b-a3b", 128, 2048, 768, 8),
+                Shape("deepseek-v3 (64 of 256 experts)", 64, 7168, 2048, 8)]
+SMOKE_SHAPES = [Shape("smoke", 8, 256, 128, 2)]
+QUANT_TOKENS = [1, 64, 1024]
+SMOKE_TOKENS = [1, 19]
+QUANT_FORMATS = {"int8": INT8_PER_CHANNEL, "int4": INT4_GROUP128, "fp8": FP8_BLOCK128,
+                 "mxfp4": MXFP4_GROUP32}
 
 
 def ceilings() -> dict:
@@ -45,14 +77,14 @@ def ceilings() -> dict:
 
 
 def problem(shape: Shape, num_tokens: int, dtype: torch.dtype, w13, w2, num_slots: int,
-            num_missing: int = 0, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(num_tokens, shape.hidden, device="cuda", generator=gen).to(dtype)
-    logits = torch.randn(num_tokens, shape.experts, device="cuda", generator=gen)
+            num_missing: int = 0, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, shape.hidden, device=device, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, shape.experts, device=device, generator=gen)
     weights, ids = softmax_topk(logits, shape.top_k, renormalize=True)
-    slot_of = torch.randperm(num_slots, device="cuda", generator=gen)[:shape.experts]
+    slot_of = torch.randperm(num_slots, device=device, generator=gen)[:shape.experts]
     slot_of = slot_of.to(torch.int32)
-    slot_of[torch.randperm(shape.experts, device="cuda", generator=gen)[:num_missing]] = \
+    slot_of[torch.randperm(shape.experts, device=device, generator=gen)[:num_missing]] = \
         NOT_RESIDENT
     return x, w13, w2, weights, ids, slot_of
 
@@ -94,6 +126,66 @@ def measure_shape(shape: Shape, ceiling: dict, tokens: list[int]) -> list[dict]:
     return rows
 
 
+def wall_ms(fn, repeats: int = 3) -> float:
+    """The median wall time of `fn` (the smoke run's timer: no CUDA events on the CPU)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+def measure_quantized(shapes: list[Shape], tokens: list[int], device: str = "cuda"
+                      ) -> list[dict]:
+    """Per shape, token count and format: the Triton kernel's time over the quantized pool
+    against bf16's over the same experts, the stored bytes of the experts hit, and the
+    relative error against the reference over the dequantized pool (bf16: the torch path)."""
+    timer = ((lambda fn: do_bench(fn, warmup=5, rep=50)) if device == "cuda" else wall_ms)
+    rows = []
+    for shape in shapes:
+        w13 = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) /
+               shape.hidden**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(shape.experts, shape.hidden, shape.inter, device=device) /
+              shape.inter**0.5).to(torch.bfloat16)
+        pools = {"bf16": (w13, w2, None)}
+        pools.update({name: quantized_pool(w13, w2, fmt) for name, fmt in QUANT_FORMATS.items()})
+        for num_tokens in tokens:
+            x, _, _, weights, ids, slot_of = problem(shape, num_tokens, torch.bfloat16, w13, w2,
+                                                     shape.experts, seed=num_tokens,
+                                                     device=device)
+            hit = ids.unique()
+            bf16_ms = None
+            for name, (data13, data2, scales) in pools.items():
+                call = functools.partial(fused_moe_triton, x, data13, data2, weights, ids,
+                                         slot_of, scales=scales)
+                out = call()
+                if scales is None:
+                    want = fused_moe(x, data13, data2, weights, ids, slot_of, backend="torch")
+                else:            # the reference over the dequantized experts hit (fp32)
+                    dq13, dq2 = dequantize_experts(data13, data2, scales,
+                                                   torch.arange(shape.experts, device=device),
+                                                   torch.float32)
+                    want = reference_fused_moe(x.float(), dq13, dq2, weights, ids, slot_of)
+                    del dq13, dq2
+                err = relative_error(out, want)
+                ms = timer(call)
+                bf16_ms = bf16_ms or ms
+                stored = sum(t[hit].numel() * t.element_size() for t in
+                             (data13, data2, *((scales.w13, scales.w2) if scales else ())))
+                row = {"shape": shape.name, "T": num_tokens, "format": name, "ms": ms,
+                       "vs_bf16": bf16_ms / ms, "gbps": stored / ms / 1e6,
+                       "rel_err": err, "ok": err < REL_TOL[torch.bfloat16]}
+                rows.append(row)
+                print(f"{shape.name:>14} T={num_tokens:>5} {name:>5} {ms:9.3f} ms "
+                      f"x{row['vs_bf16']:5.2f} vs bf16  {row['gbps']:7.0f} GB/s  "
+                      f"err {err:.1e}", flush=True)
+        del w13, w2, pools
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def dtype_and_gap_checks() -> list[dict]:
     """fp16 / fp32 / bf16 at a mid shape, a slot pool larger than E with -1 gaps, against the
     fp32 reference (small T) and the torch path."""
@@ -121,19 +213,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--phase", default="default")
-    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="quantized phase: toy sizes on the CPU, Triton's interpreter")
     args = parser.parse_args()
     start = time.monotonic()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "phase": args.phase}
-    report["ceilings"] = ceilings()
-    print("ceilings:", report["ceilings"], flush=True)
-    if args.phase == "default":
-        report["checks"] = dtype_and_gap_checks()
-    report["rows"] = []
-    for shape in SHAPES:
-        report["rows"] += measure_shape(shape, report["ceilings"], args.tokens)
-    report["shapes"] = [asdict(s) for s in SHAPES]
+    if args.smoke and not is_interpreter():
+        raise SystemExit("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1")
+    report = {"device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": __import__("triton").__version__,
+              "phase": args.phase}
+    if args.phase == "quantized":
+        shapes = SMOKE_SHAPES if args.smoke else QUANT_SHAPES
+        report["rows"] = measure_quantized(shapes, args.tokens or (
+            SMOKE_TOKENS if args.smoke else QUANT_TOKENS), "cpu" if args.smoke else "cuda")
+    else:
+        report["ceilings"] = ceilings()
+        print("ceilings:", report["ceilings"], flush=True)
+        if args.phase == "default":
+            report["checks"] = dtype_and_gap_checks()
+        report["rows"] = []
+        for shape in SHAPES:
+            report["rows"] += measure_shape(shape, report["ceilings"], args.tokens or TOKENS)
+        shapes = SHAPES
+    report["shapes"] = [asdict(s) for s in shapes]
     report["seconds"] = time.monotonic() - start
     with open(os.path.join(args.out, f"gpu_kernels_{args.phase}.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -19,3 +19,6 @@ cp "$OUT"/configs/*.json kernels/configs/ 2>/dev/null
 # config names hold "=" and ",", which $OUT cannot return: pack them
 tar -cf "$OUT/configs.tar" -C "$OUT/configs" . && rm -r "$OUT/configs"
 python3 -m mox.bench.micro.gpu_kernels --out "$OUT" --phase tuned 2>&1 | tee "$OUT/tuned.log"
+# issue 19: the int8 / int4 / FP8 / MXFP4 pools against bf16 at Qwen3-30B-A3B and DeepSeek-V3
+# expert shapes (~1-2 minutes)
+python3 -m mox.bench.micro.gpu_kernels --out "$OUT" --phase quantized 2>&1 | tee "$OUT/quantized.log"
