@@ -136,6 +136,26 @@ def wall_ms(fn, repeats: int = 3) -> float:
     return 1e3 * sorted(times)[repeats // 2]
 
 
+def expected(x, data13, data2, scales, weights, ids, slot_of) -> torch.Tensor:
+    """What the kernel must return: the torch path over a bf16 pool; over a quantized one, the
+    reference (fp32, token by token) over its dequantized experts."""
+    if scales is None:
+        return fused_moe(x, data13, data2, weights, ids, slot_of, backend="torch")
+    every_slot = torch.arange(data13.shape[0], device=x.device)
+    dq13, dq2 = dequantize_experts(data13, data2, scales, every_slot, torch.float32)
+    return reference_fused_moe(x.float(), dq13, dq2, weights, ids, slot_of)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The quantized phase's rows as one Markdown table (time, ratio to bf16 at the same
+    shape and T, stored bytes of the experts hit per second, error against the reference)."""
+    lines = ["| shape | T | format | ms | bf16 ms / ms | GB/s | rel err |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['T']} | {r['format']} | {r['ms']:.3f} | "
+              f"{r['vs_bf16']:.2f} | {r['gbps']:.3g} | {r['rel_err']:.1e} |" for r in rows]
+    return "\n".join(lines)
+
+
 def measure_quantized(shapes: list[Shape], tokens: list[int], device: str = "cuda"
                       ) -> list[dict]:
     """Per shape, token count and format: the Triton kernel's time over the quantized pool
@@ -159,16 +179,8 @@ def measure_quantized(shapes: list[Shape], tokens: list[int], device: str = "cud
             for name, (data13, data2, scales) in pools.items():
                 call = functools.partial(fused_moe_triton, x, data13, data2, weights, ids,
                                          slot_of, scales=scales)
-                out = call()
-                if scales is None:
-                    want = fused_moe(x, data13, data2, weights, ids, slot_of, backend="torch")
-                else:            # the reference over the dequantized experts hit (fp32)
-                    dq13, dq2 = dequantize_experts(data13, data2, scales,
-                                                   torch.arange(shape.experts, device=device),
-                                                   torch.float32)
-                    want = reference_fused_moe(x.float(), dq13, dq2, weights, ids, slot_of)
-                    del dq13, dq2
-                err = relative_error(out, want)
+                err = relative_error(call(), expected(x, data13, data2, scales, weights, ids,
+                                                      slot_of))
                 ms = timer(call)
                 bf16_ms = bf16_ms or ms
                 stored = sum(t[hit].numel() * t.element_size() for t in
@@ -227,6 +239,7 @@ def main() -> None:
         shapes = SMOKE_SHAPES if args.smoke else QUANT_SHAPES
         report["rows"] = measure_quantized(shapes, args.tokens or (
             SMOKE_TOKENS if args.smoke else QUANT_TOKENS), "cpu" if args.smoke else "cuda")
+        print(markdown(report["rows"]), flush=True)
     else:
         report["ceilings"] = ceilings()
         print("ceilings:", report["ceilings"], flush=True)

@@ -8,6 +8,7 @@ from mox.bench.micro.gpu_kernels import (
     QUANT_FORMATS,
     REL_TOL,
     SMOKE_SHAPES,
+    markdown,
     measure_quantized,
 )
 
@@ -26,3 +27,6 @@ def test_the_quantized_phase_times_every_format_against_its_reference():
     share = {r["format"]: r["gbps"] * r["ms"] / (bf16["gbps"] * bf16["ms"]) for r in rows}
     assert 0.49 < share["int8"] < 0.55 and 0.49 < share["fp8"] < 0.55
     assert 0.25 < share["int4"] < 0.28 and 0.31 < share["mxfp4"] < 0.32
+    # the printed table: a line per row, each naming its format
+    lines = markdown(rows).splitlines()[2:]
+    assert [line.split(" | ")[2] for line in lines] == [r["format"] for r in rows]
