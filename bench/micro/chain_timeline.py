@@ -22,10 +22,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch
-
 from mox import LLM
 from mox.bench.machine import describe
+from mox.bench.micro.throughput import ReadRates
 from mox.demo import default_home, ensure_demo_models
 from mox.kernels import native
 from mox.loaders import Checkpoint
@@ -51,26 +50,14 @@ def phase_bytes(ckpt: Checkpoint, num_seqs: int) -> dict[str, float]:
     return out
 
 
-def native_read_rate(passes: int = 3) -> float:
-    """GB/s of the native GEMV over 1 GiB of random bf16 (random: the host may merge pages of
-    one value), the median pass."""
-    w = torch.randn(1 << 29).to(torch.bfloat16).view(-1, 1024)
-    x = torch.randn(1, 1024).to(torch.bfloat16)
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        native.kernels().gemv(x, w)
-        times.append(time.perf_counter() - start)
-    return w.numel() * 2 / sorted(times)[passes // 2] / 1e9
-
-
-def measure(llm: LLM, ckpt: Checkpoint, num_seqs: int, tokens: int) -> dict:
+def measure(llm: LLM, ckpt: Checkpoint, num_seqs: int, tokens: int,
+            read_rates: ReadRates) -> dict:
     """One greedy decode of `tokens` tokens for `num_seqs` 16-token prompts, timed by phase."""
     rng = random.Random(SEED)
     prompts = [[rng.randrange(1, ckpt.spec.vocab_size) for _ in range(PROMPT_TOKENS)]
                for _ in range(num_seqs)]
     llm.generate(prompt_token_ids=prompts, max_tokens=4, temperature=0.0, ignore_eos=True)
-    gbps = native_read_rate()
+    gbps = read_rates(3)["native_gbps"]
     runs = []                 # a prompt's first token alone, then with the decode after it:
     for max_tokens in (1, 1 + tokens):          # their difference is the decode
         native.kernels().timeline_take()
@@ -130,7 +117,9 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
             "machine": describe(), "tokens": args.tokens}
-    rows = [measure(llm, ckpt, int(n), args.tokens) for n in args.seqs.split(",")]
+    read_rates = ReadRates()
+    rows = [measure(llm, ckpt, int(n), args.tokens, read_rates)
+            for n in args.seqs.split(",")]
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps({**head, "rows": rows},
                                                               indent=1))
