@@ -140,8 +140,9 @@ def _add_serve_parser(sub) -> None:
                             "run only while their round of steps stays within it, so under "
                             "overload fewer models run at a time (default: all of them)")
     serve.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
-                       help="decode steps a batch runs back to back while no other request "
-                            "waits (its tokens stream in bursts of this many; 1: off; "
+                       help="most decode steps a batch runs back to back while no other "
+                            "request waits (a run also ends after ~0.1 s, or when a request "
+                            "arrives; its tokens stream when it ends; 1: off; "
                             f"default {DEFAULT_DECODE_STEPS})")
     serve.add_argument("--compute-threads", type=int,
                        help="torch threads for model steps (default: every core)")

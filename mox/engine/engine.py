@@ -73,6 +73,9 @@ class Engine:
         self.last_step: StepInfo | None = None
         self._in_flight: dict[str, InFlight] = {}  # model -> its step in flight
         self._carried: list[RequestOutput] = []     # outputs a failed step() left behind
+        # whether something waits for the engine's caller (a request, an abort, loaded
+        # weights): a run of decode steps then ends after its current step (mox.engine.scheduler)
+        self.interrupt: Callable[[], bool] = lambda: False
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -231,7 +234,7 @@ class Engine:
                         sum(s.num_new_tokens for s in batch.sequences
                             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens),
                         time.monotonic())
-        step = InFlight(batch, runner.steps(batch), info, runner.model.experts)
+        step = InFlight(batch, runner.steps(batch, self.interrupt), info, runner.model.experts)
         self._in_flight[batch.model] = step            # in start order: oldest first
         self.scheduler.set_in_flight(batch.model, True)
         return step

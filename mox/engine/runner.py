@@ -7,7 +7,7 @@ Legend: T new tokens in the step, K keys the step attends to, S sequences that s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from functools import partial
 
@@ -132,12 +132,13 @@ class ModelRunner:
                             torch.tensor(kv_slots, dtype=torch.long, device=device),
                             torch.tensor(kv_pos, dtype=torch.long, device=device))
 
-    def steps(self, batch: Batch
+    def steps(self, batch: Batch, interrupt: Callable[[], bool] = lambda: False
               ) -> Generator[ReadsPending | None, None, list[list[SampledToken]]]:
         """Run the batch and sample: its sampled tokens, a list per step (one step, or up
         to `batch.num_steps` decode steps back to back, which end early where a sequence
-        samples a stop token). Yields at the forward pass's layer boundaries and where it
-        waits for expert reads (see mox.engine.in_flight)."""
+        samples a stop token or after a step where `interrupt()` says something waits).
+        Yields at the forward pass's layer boundaries and where it waits for expert reads
+        (see mox.engine.in_flight)."""
         context = self.model.spec.max_position_embeddings
         # (a step past the context would sample a token the engine drops)
         steps = max(1, min(batch.num_steps,
@@ -150,8 +151,8 @@ class ModelRunner:
             for item in batch.sequences:
                 item.seq.num_computed_tokens += item.num_new_tokens
             sampled.append(self._sample(sampling, logits))
-            if len(sampled) == steps or any(s.seq.params.is_stop_token(s.token_id)
-                                            for s in sampled[-1]):
+            if (len(sampled) == steps or any(s.seq.params.is_stop_token(s.token_id)
+                                             for s in sampled[-1]) or interrupt()):
                 return None
             return torch.tensor([s.token_id for s in sampled[-1]], device=logits.device)
 

@@ -29,8 +29,10 @@ Design note.
   Python of a step (scheduling, building the index tensors, sampling, the outputs) is paid
   once for several tokens. Its KV blocks are reserved for every step before it starts; the
   steps stop early where a sequence samples a stop token, and never run past a sequence's
-  `max_tokens`. A request that arrives meanwhile waits for the run to end (at most
-  `decode_steps` steps), so the default keeps runs short.
+  `max_tokens`. A run lasts about `decode_run_s` at most (the model's recent step time
+  decides how many steps that is), since its tokens stream out when it ends; and it ends
+  after any step where the engine's `interrupt` says that something waits (a request that
+  arrived, an abort, weights that landed), so that waits one step, not the whole run.
 - KV: a sequence gets the blocks its new tokens need before it is scheduled. When the pool is
   full, the newest running sequence (of any model) is preempted: its blocks are freed and it
   waits to be recomputed. A sequence that cannot fit even alone fails instead of looping.
@@ -57,6 +59,7 @@ class SchedulerConfig:
     max_running_sequences: int = 64
     tpot_target_s: float | None = None   # the round's target (None: every model runs)
     decode_steps: int = 1             # most decode steps a batch runs back to back (above)
+    decode_run_s: float = 0.1         # and about how long such a run may last (above)
 
 
 @dataclass
@@ -210,8 +213,12 @@ class Scheduler:
     def _decode_steps(self, model: str, scheduled: list[ScheduledSequence]) -> int:
         """How many decode steps the batch may run back to back: one unless it is all
         decodes and nothing else waits for the engine; at most what every sequence may still
-        generate, and what the KV pool holds without preempting anyone."""
-        steps = min([self.config.decode_steps]
+        generate, what fits `decode_run_s` at the model's recent step time, and what the KV
+        pool holds without preempting anyone."""
+        step_s = self.queues[model].step_s
+        in_time = (self.config.decode_steps if step_s == 0.0
+                   else max(1, int(self.config.decode_run_s / step_s)))
+        steps = min([self.config.decode_steps, in_time]
                     + [s.seq.params.max_tokens - s.seq.num_output_tokens for s in scheduled])
         if (steps <= 1 or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
                 or any(q.waiting or (q.running and name != model)

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 class Driver(Protocol):
     wake: threading.Event            # set from any thread when a step became useful
+    outside_waiting: Callable[[], bool]   # set by the loop: whether its inbox holds work
 
     @property
     def has_work(self) -> bool: ...
@@ -50,6 +51,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = driver.wake
+        # (a list's truth is one read: no lock; a run of decode steps asks after each step)
+        driver.outside_waiting = lambda: bool(self._inbox)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="mox-engine", daemon=True)
         self._thread.start()

@@ -98,6 +98,10 @@ class Router:
         self.timeline = Timeline(_open_step_log(config.step_log) if config.step_log else None)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
+        # whether the driver holds work the router has not seen (AsyncEngine's inbox); it,
+        # or weights that landed, end a run of decode steps after its current step
+        self.outside_waiting: Callable[[], bool] = lambda: False
+        self.engine.interrupt = lambda: self.outside_waiting() or self._loader.has_landed
         self._next_plan = -math.inf
         for name, path in models.items():
             self.add_model(name, path, (settings or {}).get(name))

@@ -112,7 +112,7 @@ def test_a_failing_step_ends_only_its_batch(hf_checkpoints):
     model's requests finish, and the KV pool drains."""
     engine, models = _engine(hf_checkpoints, names=("mixtral", "qwen3_moe"))
 
-    def broken(batch):
+    def broken(batch, interrupt):
         raise RuntimeError("a bug")
         yield                                      # a generator, as the runner's steps are
 

@@ -32,10 +32,13 @@ def models(tmp_path_factory):
     return built
 
 
-def _generate(model, decode_steps: int, requests: list[tuple[list[int], SamplingParams]]):
+def _generate(model, decode_steps: int, requests: list[tuple[list[int], SamplingParams]],
+              interrupt=None):
     """Each request's tokens, log-probabilities and finish reason, the engine steps it took
-    and the pager's hits, on a fresh engine."""
+    and the pager's hits, on a fresh engine (`interrupt`: the engine's, if given)."""
     engine = Engine(16 << 20, block_size=4, config=SchedulerConfig(decode_steps=decode_steps))
+    if interrupt is not None:
+        engine.interrupt = interrupt
     serve_loaded(engine, "m", model)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(Request(f"r{i}", "m", prompt, params))
@@ -90,3 +93,18 @@ def test_a_stop_token_ends_the_run_where_one_step_at_a_time_would(models):
     got, _, hits = _generate(model, 8, [(prompt, params)])
     assert got["r0"] == (tokens[:at + 1], [], FinishReason.STOP)
     assert hits == one_hits                    # no step ran past it
+
+
+def test_an_interrupt_ends_the_run_after_the_step_in_progress(models):
+    model, requests = models["olmoe"], [([5, 9, 2, 7, 1], GREEDY), ([3] * 9, GREEDY)]
+    one, one_steps, one_hits = _generate(model, 1, requests)
+    asked = []
+
+    def interrupt() -> bool:             # something waits after every third step of a run
+        asked.append(True)
+        return len(asked) % 3 == 0
+
+    got, steps, hits = _generate(model, 8, requests, interrupt)
+    assert got == one and hits == one_hits
+    # the prompts' step, then runs of 3, 3, 3 and 1 steps (the ten tokens max_tokens leaves)
+    assert steps == 1 + 4 and one_steps == 11

@@ -164,6 +164,19 @@ def test_a_decode_batch_alone_runs_several_steps_with_their_kv_reserved():
         assert len(seq.block_table) * 4 >= seq.num_computed_tokens + 4
 
 
+def test_a_run_of_decode_steps_lasts_about_decode_run_s_at_the_models_step_time():
+    scheduler = _scheduler(["a"], None)
+    scheduler.config = SchedulerConfig(decode_steps=16, decode_run_s=0.1)
+    seq = _add(scheduler, "a", 1.0, max_tokens=100)
+    assert scheduler.schedule().num_steps == 1          # the prompt
+    seq.num_computed_tokens, seq.output_token_ids = seq.num_tokens, [7]
+    assert scheduler.schedule().num_steps == 16         # no step timed yet: decode_steps
+    for step_s, steps in ((0.03, 3), (0.03, 3), (0.001, 16), (0.5, 1)):
+        scheduler.queues["a"].step_s = 0.0              # (the next record is the whole EWMA)
+        scheduler.record_step("a", step_s)
+        assert scheduler.schedule().num_steps == steps
+
+
 def test_steps_back_to_back_stop_at_max_tokens_and_wait_for_nothing_else():
     scheduler = _scheduler(["a", "b"], None)
     scheduler.config = SchedulerConfig(decode_steps=8)

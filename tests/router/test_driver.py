@@ -78,3 +78,21 @@ def test_bad_requests_reach_the_caller(hf_checkpoints):
     with pytest.raises(ModelNotFoundError, match="nope"):
         asyncio.run(main())
     async_engine.shutdown()
+
+
+def test_the_router_sees_work_waiting_in_the_loops_inbox(hf_checkpoints):
+    """A run of decode steps ends when a request or an abort waits in the inbox (the
+    engine's interrupt): the router's `outside_waiting` reads it."""
+    async_engine, engine = _async_engine(hf_checkpoints)
+    router = async_engine.driver
+    busy, release, done = (concurrent.futures.Future(), concurrent.futures.Future(),
+                           concurrent.futures.Future())
+    async_engine.call(lambda _: (busy.set_result(True), release.result(timeout=30)))
+    busy.result(timeout=30)                 # the loop runs the first command: inbox empty
+    assert not router.outside_waiting() and not engine.interrupt()
+    async_engine.call(lambda _: done.set_result(True))
+    assert router.outside_waiting() and engine.interrupt()
+    release.set_result(True)
+    done.result(timeout=30)
+    assert not router.outside_waiting()
+    async_engine.shutdown()
