@@ -141,7 +141,7 @@ def _add_serve_parser(sub) -> None:
                             "overload fewer models run at a time (default: all of them)")
     serve.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                        help="most decode steps a batch runs back to back while no other "
-                            "request waits (a run also ends after ~0.1 s, or when a request "
+                            "request waits (a run also ends after ~0.2 s, or when a request "
                             "arrives; its tokens stream when it ends; 1: off; "
                             f"default {DEFAULT_DECODE_STEPS})")
     serve.add_argument("--compute-threads", type=int,

@@ -59,7 +59,7 @@ class SchedulerConfig:
     max_running_sequences: int = 64
     tpot_target_s: float | None = None   # the round's target (None: every model runs)
     decode_steps: int = 1             # most decode steps a batch runs back to back (above)
-    decode_run_s: float = 0.1         # and about how long such a run may last (above)
+    decode_run_s: float = 0.2         # and about how long such a run may last (above)
 
 
 @dataclass
