@@ -72,13 +72,97 @@ static inline __m512 widen16(const uint16_t *k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* 16 lanes: the compiler does not vectorize the plain loop's float sum (it may not reorder
- * it), which left the scores scalar: ~1 ms a layer at 32 sequences */
-GROUP_DOT(group_dot_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512, 16,
-          _mm512_setzero_ps, widen16, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_reduce_add_ps)
 /* 8 lanes, for CPUs with AVX2 but not AVX-512 */
 GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps,
           widen8, _mm256_fmadd_ps, _mm256_loadu_ps, sum8)
+
+/* The scores of a block of up to KEY_BLOCK keys (rows at keys + slots[j] * k_stride) against
+ * a group of query heads: scores[hq * stride + j] (+)= qf[hq * dq ..] . k_j[0 .. d). The
+ * plain and AVX2 paths take the keys one by one. */
+#define KEY_BLOCK 16
+#define KEYS_ONE_BY_ONE(name, attributes, dot)                                                \
+    attributes static void name(const float *qf, int group, int64_t dq, const uint16_t *keys, \
+                                int64_t k_stride, const int64_t *slots, int n, int64_t d,     \
+                                float *scores, int64_t stride, int add) {                     \
+        for (int j = 0; j < n; j++)                                                           \
+            dot(qf, group, dq, keys + slots[j] * k_stride, d, scores + j, stride, add);       \
+    }
+KEYS_ONE_BY_ONE(block_dot_plain, , group_dot_plain)
+KEYS_ONE_BY_ONE(block_dot_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2)
+
+/* v[m]'s lanes summed into lane m, for 16 vectors at once: a tree of in-lane unpacks and
+ * shuffles, then across 128-bit lanes (45 instructions, where a reduction of each vector
+ * alone is a chain of ~8 on its own result) */
+__attribute__((target("avx512f")))
+static inline __m512 sum_each16(const __m512 *v) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++)     /* per 128-bit lane: v0[0]+v0[2], v1[0]+v1[2], .. */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)     /* per 128-bit lane l: the lane's sum of v[4i .. 4i + 3] */
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)     /* lanes (0 + 1), (2 + 3) of quads 2i, then of 2i + 1 */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+/* 16 lanes, a block of keys at a time: each key's products for up to four heads summed in
+ * registers (a vector a head), parked, and the block's vectors reduced together by
+ * sum_each16. Reducing each key's vector on its own (a chain of dependent shuffles and adds
+ * per key and head) held decode attention to 11-17 GB/s with the keys in cache. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __attribute__((always_inline)) void block_dot_avx512_heads(
+        const float *q, int heads, int64_t dq, const uint16_t *keys, int64_t k_stride,
+        const int64_t *slots, int n, int64_t d, float *scores, int64_t stride, int add) {
+    __m512 parked[4][KEY_BLOCK];
+    int64_t whole = d & ~(int64_t)15;
+    for (int j = 0; j < KEY_BLOCK; j++) {
+        __m512 acc[4];
+        for (int hq = 0; hq < heads; hq++)
+            acc[hq] = _mm512_setzero_ps();
+        if (j < n) {
+            const uint16_t *k = keys + slots[j] * k_stride;
+            for (int64_t i = 0; i < whole; i += 16) {
+                __m512 kv = widen16(k + i);
+                for (int hq = 0; hq < heads; hq++)
+                    acc[hq] = _mm512_fmadd_ps(_mm512_loadu_ps(q + hq * dq + i), kv, acc[hq]);
+            }
+        }
+        for (int hq = 0; hq < heads; hq++)
+            parked[hq][j] = acc[hq];
+    }
+    __mmask16 valid = (__mmask16)((1u << n) - 1);
+    for (int hq = 0; hq < heads; hq++) {
+        __m512 s = sum_each16(parked[hq]);
+        if (whole < d) {            /* the last d % 16 dims, key by key */
+            float tail[KEY_BLOCK] = {0};
+            for (int j = 0; j < n; j++)
+                for (int64_t i = whole; i < d; i++)
+                    tail[j] += q[hq * dq + i] * bf16_to_f32(keys[slots[j] * k_stride + i]);
+            s = _mm512_add_ps(s, _mm512_loadu_ps(tail));
+        }
+        float *out = scores + hq * stride;
+        if (add)
+            s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(valid, out));
+        _mm512_mask_storeu_ps(out, valid, s);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint16_t *keys,
+                             int64_t k_stride, const int64_t *slots, int n, int64_t d,
+                             float *scores, int64_t stride, int add) {
+    int h0 = 0;
+    for (; h0 + 4 <= group; h0 += 4)
+        block_dot_avx512_heads(qf + h0 * dq, 4, dq, keys, k_stride, slots, n, d,
+                               scores + h0 * stride, stride, add);
+    for (; h0 < group; h0++)
+        block_dot_avx512_heads(qf + h0 * dq, 1, dq, keys, k_stride, slots, n, d,
+                               scores + h0 * stride, stride, add);
+}
 
 /* The softmax of a head's scores (softmax.h's softmax_plain for any CPU). The vector paths'
  * exp is Cephes' single precision polynomial, 8 or 16 at a time: glibc's scalar expf is a call
@@ -86,8 +170,8 @@ GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256
 
 #define EXP_POLY {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, \
                   1.6666665459e-1f, 5.0000001201e-1f}
-#define SOFTMAX_VEC(name, attributes, vec, ivec, lanes, set1, fma, mul, add, sub, maxf, minf, \
-                    floorf_, cvt, shift, addi, cast, load, store, reduce_max, reduce_add)       \
+#define SOFTMAX_VEC(name, attributes, vec, ivec, lanes, set1, fma, mul, div, add, sub, maxf,   \
+                    minf, floorf_, cvt, shift, addi, cast, load, store, reduce_max, reduce_add) \
     attributes static inline vec name##_exp(vec x) {                                            \
         static const float poly[] = EXP_POLY;                                                   \
         x = maxf(minf(x, set1(88.3762626647949f)), set1(-87.3365447504019f));                   \
@@ -125,7 +209,10 @@ GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256
         total = reduce_add(sums);                                                               \
         for (int64_t i = 0; i < rest; i++)                                                      \
             total += tail[i];                                                                   \
-        for (j = 0; j < n; j++)                                                                 \
+        vec totals = set1(total);                                                               \
+        for (j = 0; j + lanes <= n; j += lanes)                                                 \
+            store(p + j, div(load(p + j), totals));                                             \
+        for (; j < n; j++)                                                                      \
             p[j] /= total;                                                                      \
     }
 
@@ -145,13 +232,13 @@ static inline __m512 floor16(__m512 x) {
 }
 
 SOFTMAX_VEC(softmax_avx2, __attribute__((target("avx2,fma"))), __m256, __m256i, 8,
-            _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_sub_ps,
-            _mm256_max_ps, _mm256_min_ps, _mm256_floor_ps, _mm256_cvtps_epi32,
+            _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_div_ps, _mm256_add_ps,
+            _mm256_sub_ps, _mm256_max_ps, _mm256_min_ps, _mm256_floor_ps, _mm256_cvtps_epi32,
             _mm256_slli_epi32, _mm256_add_epi32, _mm256_castsi256_ps, _mm256_loadu_ps,
             _mm256_storeu_ps, max8, sum8)
 SOFTMAX_VEC(softmax_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512,
-            __m512i, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps,
-            _mm512_sub_ps, _mm512_max_ps, _mm512_min_ps, floor16, _mm512_cvtps_epi32,
+            __m512i, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_div_ps,
+            _mm512_add_ps, _mm512_sub_ps, _mm512_max_ps, _mm512_min_ps, floor16, _mm512_cvtps_epi32,
             _mm512_slli_epi32, _mm512_add_epi32, _mm512_castsi512_ps, _mm512_loadu_ps,
             _mm512_storeu_ps, _mm512_reduce_max_ps, _mm512_reduce_add_ps)
 
@@ -171,44 +258,52 @@ static void group_values_plain(const float *p, int group, int64_t length, const 
     }
 }
 
-/* The vector paths keep 2 x `lanes` values of up to four heads in registers over all the
- * keys (the sums in memory cost a load and a store per FMA); a value row's slice is read
- * from L1/L2 again for each slice and group of four heads. The last dv % (2 lanes) dims
- * take the plain loop. */
-#define GROUP_VALUES(name, attributes, vec, lanes, zero, widen, fma, set1, store)              \
+/* The vector paths keep `width` vectors of values of up to four heads in registers over all
+ * the keys (the sums in memory cost a load and a store per FMA): passes of `width` vectors
+ * (as wide as the registers allow: a pass reads the key slots and the weights again), then
+ * of one, and the last dv % lanes dims take the plain loop. */
+#define GROUP_VALUES(name, attributes, vec, lanes, width, zero, widen, fma, set1, store)       \
     attributes static inline __attribute__((always_inline)) void name##_heads(              \
-            const float *p, int heads, int64_t length, const int64_t *slots,                \
+            const float *p, int heads, int vectors, int64_t length, const int64_t *slots,   \
             const uint16_t *values, int64_t v_stride, int64_t dv, float *out) {             \
-        vec acc[4][2];                                                                      \
+        vec acc[4][width];                                                                  \
         for (int hq = 0; hq < heads; hq++)                                                  \
-            acc[hq][0] = acc[hq][1] = zero();                                               \
+            for (int c = 0; c < vectors; c++)                                               \
+                acc[hq][c] = zero();                                                        \
         for (int64_t j = 0; j < length; j++) {                                              \
             const uint16_t *v = values + slots[j] * v_stride;                               \
-            vec w0 = widen(v), w1 = widen(v + lanes);                                       \
+            vec w[width];                                                                   \
+            for (int c = 0; c < vectors; c++)                                               \
+                w[c] = widen(v + c * lanes);                                                \
             for (int hq = 0; hq < heads; hq++) {                                            \
                 vec pj = set1(p[hq * length + j]);                                          \
-                acc[hq][0] = fma(pj, w0, acc[hq][0]);                                       \
-                acc[hq][1] = fma(pj, w1, acc[hq][1]);                                       \
+                for (int c = 0; c < vectors; c++)                                           \
+                    acc[hq][c] = fma(pj, w[c], acc[hq][c]);                                 \
             }                                                                               \
         }                                                                                   \
-        for (int hq = 0; hq < heads; hq++) {                                                \
-            store(out + hq * dv, acc[hq][0]);                                               \
-            store(out + hq * dv + lanes, acc[hq][1]);                                       \
-        }                                                                                   \
+        for (int hq = 0; hq < heads; hq++)                                                  \
+            for (int c = 0; c < vectors; c++)                                               \
+                store(out + hq * dv + c * lanes, acc[hq][c]);                               \
+    }                                                                                       \
+    attributes static inline __attribute__((always_inline)) void name##_pass(               \
+            const float *p, int group, int vectors, int64_t length, const int64_t *slots,   \
+            const uint16_t *values, int64_t v_stride, int64_t dv, float *out) {             \
+        int h0 = 0;                                                                         \
+        for (; h0 + 4 <= group; h0 += 4)                                                    \
+            name##_heads(p + h0 * length, 4, vectors, length, slots, values, v_stride, dv,  \
+                         out + h0 * dv);                                                    \
+        for (; h0 < group; h0++)                                                            \
+            name##_heads(p + h0 * length, 1, vectors, length, slots, values, v_stride, dv,  \
+                         out + h0 * dv);                                                    \
     }                                                                                       \
     attributes static void name(const float *p, int group, int64_t length,                  \
                                 const int64_t *slots, const uint16_t *values,               \
                                 int64_t v_stride, int64_t dv, float *out) {                 \
         int64_t i = 0;                                                                      \
-        for (; i + 2 * lanes <= dv; i += 2 * lanes) {                                       \
-            int h0 = 0;                                                                     \
-            for (; h0 + 4 <= group; h0 += 4)                                                \
-                name##_heads(p + h0 * length, 4, length, slots, values + i, v_stride, dv,   \
-                             out + h0 * dv + i);                                            \
-            for (; h0 < group; h0++)                                                        \
-                name##_heads(p + h0 * length, 1, length, slots, values + i, v_stride, dv,   \
-                             out + h0 * dv + i);                                            \
-        }                                                                                   \
+        for (; i + width * lanes <= dv; i += width * lanes)                                 \
+            name##_pass(p, group, width, length, slots, values + i, v_stride, dv, out + i); \
+        for (; i + lanes <= dv; i += lanes)                                                 \
+            name##_pass(p, group, 1, length, slots, values + i, v_stride, dv, out + i);     \
         for (int hq = 0; i < dv && hq < group; hq++)                                        \
             for (int64_t c = i; c < dv; c++) {                                              \
                 float sum = 0.0f;                                                           \
@@ -219,27 +314,27 @@ static void group_values_plain(const float *p, int group, int64_t length, const 
     }
 
 GROUP_VALUES(group_values_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
-             __m512, 16, _mm512_setzero_ps, widen16, _mm512_fmadd_ps, _mm512_set1_ps,
+             __m512, 16, 4, _mm512_setzero_ps, widen16, _mm512_fmadd_ps, _mm512_set1_ps,
              _mm512_storeu_ps)
-GROUP_VALUES(group_values_avx2, __attribute__((target("avx2,fma"))), __m256, 8,
+GROUP_VALUES(group_values_avx2, __attribute__((target("avx2,fma"))), __m256, 8, 2,
              _mm256_setzero_ps, widen8, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_storeu_ps)
 
 typedef void (*group_values_t)(const float *, int, int64_t, const int64_t *, const uint16_t *,
                                int64_t, int64_t, float *);
-typedef void (*group_dot_t)(const float *, int, int64_t, const uint16_t *, int64_t, float *,
-                            int64_t, int);
+typedef void (*block_dot_t)(const float *, int, int64_t, const uint16_t *, int64_t,
+                            const int64_t *, int, int64_t, float *, int64_t, int);
 
 /* One token over its keys, for KV heads [g0, g0 + heads) with their groups of query heads
- * (q, out: the token's rows; keys, keys2, values: the store's first rows). Keys run in the
- * outer loop, so each slot's row of those heads is read once, in order, and widened once for
- * a whole group; scores by `dot` (group_dot_avx512, _avx2 or _plain), the weighted values
- * by `weigh` (group_values_*). Each query head's sums run over the keys in order, whatever the
- * heads a task takes. */
+ * (q, out: the token's rows; keys, keys2, values: the store's first rows). Blocks of keys
+ * run in the outer loop, so each slot's row of those heads is read from memory once, in
+ * order, and widened once for a whole group; scores by `dot` (block_dot_avx512, _avx2 or
+ * _plain), the weighted values by `weigh` (group_values_*). Each query head's sums are the
+ * same whatever the heads a task takes. */
 static inline __attribute__((always_inline)) int attend_token(
         const uint16_t *q, const uint16_t *keys, const uint16_t *keys2, const uint16_t *values,
         int64_t k_stride, int64_t k2_stride, int64_t v_stride, const int64_t *slots,
         int64_t length, int64_t g0, int64_t heads, int group, int64_t d, int64_t d2,
-        int64_t dv, float scale, float *out, group_dot_t dot,
+        int64_t dv, float scale, float *out, block_dot_t dot,
         void (*softmax)(float *, int64_t), group_values_t weigh) {
     int64_t dq = d + d2, width = heads * group;          /* query heads in the task */
     float *qf = malloc(sizeof(float) * (size_t)(width * dq + width * length));
@@ -250,15 +345,17 @@ static inline __attribute__((always_inline)) int attend_token(
     out += g0 * group * dv;
     for (int64_t i = 0; i < width * dq; i++)
         qf[i] = bf16_to_f32(q[i]) * scale;
-    for (int64_t j = 0; j < length; j++)
+    for (int64_t j = 0; j < length; j += KEY_BLOCK) {
+        int n = length - j < KEY_BLOCK ? (int)(length - j) : KEY_BLOCK;
         for (int64_t g = 0; g < heads; g++) {
             const float *qg = qf + g * group * dq;
             float *sg = scores + g * group * length + j;
-            dot(qg, group, dq, keys + slots[j] * k_stride + (g0 + g) * d, d, sg, length, 0);
+            dot(qg, group, dq, keys + (g0 + g) * d, k_stride, slots + j, n, d, sg, length, 0);
             if (d2)
-                dot(qg + d, group, dq, keys2 + slots[j] * k2_stride + (g0 + g) * d2, d2, sg,
+                dot(qg + d, group, dq, keys2 + (g0 + g) * d2, k2_stride, slots + j, n, d2, sg,
                     length, 1);
         }
+    }
     for (int64_t hq = 0; hq < width; hq++)
         softmax(scores + hq * length, length);
     for (int64_t g = 0; g < heads; g++)
@@ -305,10 +402,10 @@ static inline __attribute__((always_inline)) int attend_token(
     }
 
 DEFINE_ATTEND(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
-              group_dot_avx512, softmax_avx512, group_values_avx512)
-DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2, softmax_avx2,
+              block_dot_avx512, softmax_avx512, group_values_avx512)
+DEFINE_ATTEND(attend_avx2, __attribute__((target("avx2,fma"))), block_dot_avx2, softmax_avx2,
               group_values_avx2)
-DEFINE_ATTEND(attend_plain, , group_dot_plain, softmax_plain, group_values_plain)
+DEFINE_ATTEND(attend_plain, , block_dot_plain, softmax_plain, group_values_plain)
 
 /* q [T, h, d + d2] (token stride q_stride); keys [., h_kv, d], keys2 [., h_kv, d2] (d2 may be
  * 0, keys2 then unused) and values [., h_kv, dv]: the layer's store as flat slots (slot

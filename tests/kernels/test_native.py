@@ -144,8 +144,9 @@ def _reference_attention(q, keys, values, slots, window):
 @pytest.mark.parametrize("fast", PATHS)
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("dim", [64, 36])          # 36: past the vector loops' last whole step
-def test_decode_attention_reads_keys_in_place(fast, window, dim):
-    heads, kv_heads = 8, 2
+@pytest.mark.parametrize("heads", [8, 10])          # groups of 4 query heads, and of 4 + 1
+def test_decode_attention_reads_keys_in_place(fast, window, dim, heads):
+    kv_heads = 2
     # enough tokens for a task to take a token's every KV head (4 a thread), whatever the CPU
     num_tokens = 4 * (os.cpu_count() or 1) + 1
     lengths = torch.randint(1, 18, (num_tokens,), generator=torch.Generator().manual_seed(15))
