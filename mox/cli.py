@@ -110,6 +110,7 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
 
 
 def _add_serve_parser(sub) -> None:
+    from mox.engine.scheduler import DEFAULT_DECODE_RUN_S
     from mox.router import ROUTER_POLICIES
     from mox.router.config import DEFAULT_DECODE_STEPS
 
@@ -141,8 +142,8 @@ def _add_serve_parser(sub) -> None:
                             "overload fewer models run at a time (default: all of them)")
     serve.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                        help="most decode steps a batch runs back to back while no other "
-                            "request waits (a run also ends after ~0.2 s, or when a request "
-                            "arrives; its tokens stream when it ends; 1: off; "
+                            f"request waits (a run also ends after ~{DEFAULT_DECODE_RUN_S} s, "
+                            "or when a request arrives; its tokens stream when it ends; 1: off; "
                             f"default {DEFAULT_DECODE_STEPS})")
     serve.add_argument("--compute-threads", type=int,
                        help="torch threads for model steps (default: every core)")

@@ -50,8 +50,8 @@ class LLM:
     lru, lfu, model-swap, all-resident); `prefetch`: predict and preload the next layer's
     experts (None: on for CUDA, off on CPU; see `prefetch_by_default`); `direct_io`: read
     experts with O_DIRECT where the filesystem allows (no page-cache copy of the weights);
-    `decode_steps`: decode steps a batch runs back to back when nothing else waits
-    (mox.engine.scheduler)."""
+    `decode_steps`: most decode steps a batch runs back to back when nothing else waits
+    (fewer where the run would pass `DEFAULT_DECODE_RUN_S`: mox.engine.scheduler)."""
 
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,

@@ -23,8 +23,9 @@
 
 /* The scores of one key against a group of query heads: scores[hq * stride] (+)=
  * qf[hq * dq ..] . k[0 .. n) for hq < group (q float32, k bf16; `add`: onto what is there,
- * for MLA's second key part). Each vector path widens a key vector once for up to four heads
- * (per head, the same sums in the same order as one head alone). */
+ * for MLA's second key part). The AVX2 path below widens a key vector once for up to four
+ * heads (per head, the same sums in the same order as one head alone); AVX-512 takes blocks
+ * of keys (block_dot_avx512). */
 static void group_dot_plain(const float *qf, int group, int64_t dq, const uint16_t *k,
                             int64_t n, float *scores, int64_t stride, int add) {
     for (int hq = 0; hq < group; hq++) {
@@ -35,8 +36,8 @@ static void group_dot_plain(const float *qf, int group, int64_t dq, const uint16
     }
 }
 
-/* The vector paths: HEADS heads (a constant, so the accumulators stay in registers) at a
- * time: four while four are left, then one by one. */
+/* A vector path: four heads at a time while four are left (a constant count, so the
+ * accumulators stay in registers), then one by one. */
 #define GROUP_DOT(name, attributes, vec, lanes, zero, widen, fma, load, reduce)                \
     attributes static inline __attribute__((always_inline)) void name##_heads(              \
             const float *q, int heads, int64_t dq, const uint16_t *k, int64_t n,            \
@@ -80,6 +81,7 @@ GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256
  * a group of query heads: scores[hq * stride + j] (+)= qf[hq * dq ..] . k_j[0 .. d). The
  * plain and AVX2 paths take the keys one by one. */
 #define KEY_BLOCK 16
+_Static_assert(KEY_BLOCK == 16, "a block of keys is one vector of 16 float sums (sum_each16)");
 #define KEYS_ONE_BY_ONE(name, attributes, dot)                                                \
     attributes static void name(const float *qf, int group, int64_t dq, const uint16_t *keys, \
                                 int64_t k_stride, const int64_t *slots, int n, int64_t d,     \

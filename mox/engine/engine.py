@@ -56,7 +56,8 @@ class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  config: SchedulerConfig | None = None,
                  compute_threads: int | None = None,
-                 io_busy: Callable[[], bool] | None = None) -> None:
+                 io_busy: Callable[[], bool] | None = None,
+                 interrupt: Callable[[], bool] | None = None) -> None:
         # torch intra-op threads for steps (None: what the process had at start, less the
         # cores other processes keep busy, less one while `io_busy()`)
         self.compute_threads = compute_threads or COMPUTE_THREADS
@@ -75,7 +76,7 @@ class Engine:
         self._carried: list[RequestOutput] = []     # outputs a failed step() left behind
         # whether something waits for the engine's caller (a request, an abort, loaded
         # weights): a run of decode steps then ends after its current step (mox.engine.scheduler)
-        self.interrupt: Callable[[], bool] = lambda: False
+        self.interrupt: Callable[[], bool] = interrupt or (lambda: False)
 
     def add_model(self, name: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                   tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
@@ -276,7 +277,8 @@ class Engine:
     def _end(self, step: InFlight, num_steps: int = 1) -> None:
         self._forget(step)
         info = self.last_step = step.finished_info(num_steps)
-        self.scheduler.record_step(info.model, (info.seconds - info.parked_seconds) / num_steps)
+        self.scheduler.record_step(info.model, (info.seconds - info.parked_seconds) / num_steps,
+                                   decodes_only=info.num_prefill_tokens == 0)
 
     def _forget(self, step: InFlight) -> None:
         """The step is over: its model may run again, and its aborted sequences' KV goes."""

@@ -51,6 +51,10 @@ from mox.engine.sequence import Sequence, SequenceStatus
 # A model's share of the round follows its last few steps (batch sizes change as requests
 # come and go; one slow step, e.g. a miss, should not hold a model back for long).
 STEP_EWMA = 0.3
+# About how long a run of decode steps may last (its tokens stream out when it ends): a few
+# updates a second for a reader, and four steps of the bench olmoe at 32 sequences on 2 cores
+# (0.1 s gave runs of two there, and 1.4x the Python a step: bench/results/step_ab-long-runs).
+DEFAULT_DECODE_RUN_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ class SchedulerConfig:
     max_running_sequences: int = 64
     tpot_target_s: float | None = None   # the round's target (None: every model runs)
     decode_steps: int = 1             # most decode steps a batch runs back to back (above)
-    decode_run_s: float = 0.2         # and about how long such a run may last (above)
+    decode_run_s: float | None = DEFAULT_DECODE_RUN_S   # and about how long such a run may
+                                      # last (above; None: no limit)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class _ModelQueue:
     draining: bool = False            # finishes its running sequences, starts no new one
     in_flight: bool = False           # a step of it is under way (run in slices): not again
     step_s: float = 0.0               # its share of a round: its recent steps' own time
+    decode_step_s: float = 0.0        # ... of its recent steps of decodes alone (run lengths)
 
     @property
     def oldest_waiting(self) -> float:
@@ -133,13 +139,15 @@ class Scheduler:
     def set_in_flight(self, name: str, in_flight: bool) -> None:
         self.queues[name].in_flight = in_flight
 
-    def record_step(self, name: str, seconds: float) -> None:
+    def record_step(self, name: str, seconds: float, decodes_only: bool = False) -> None:
         """A step of `name` took the loop `seconds` (its own slices and stalls, not the time
-        it was parked while others stepped)."""
+        it was parked while others stepped); `decodes_only`: it had no prompt tokens (a
+        prefill's time would cut the next runs of decode steps short)."""
         queue = self.queues.get(name)
         if queue is not None:
-            queue.step_s = (seconds if queue.step_s == 0.0
-                            else STEP_EWMA * seconds + (1 - STEP_EWMA) * queue.step_s)
+            queue.step_s = _ewma(queue.step_s, seconds)
+            if decodes_only:
+                queue.decode_step_s = _ewma(queue.decode_step_s, seconds)
 
     def _held_back(self) -> tuple[set[str], float]:
         """(models that may not join the round now, the oldest arrival among their
@@ -215,9 +223,9 @@ class Scheduler:
         decodes and nothing else waits for the engine; at most what every sequence may still
         generate, what fits `decode_run_s` at the model's recent step time, and what the KV
         pool holds without preempting anyone."""
-        step_s = self.queues[model].step_s
-        in_time = (self.config.decode_steps if step_s == 0.0
-                   else max(1, int(self.config.decode_run_s / step_s)))
+        step_s, run_s = self.queues[model].decode_step_s, self.config.decode_run_s
+        in_time = (self.config.decode_steps if step_s == 0.0 or run_s is None
+                   else max(1, int(run_s / step_s)))
         steps = min([self.config.decode_steps, in_time]
                     + [s.seq.params.max_tokens - s.seq.num_output_tokens for s in scheduled])
         if (steps <= 1 or any(s.num_new_tokens != 1 or not s.samples for s in scheduled)
@@ -274,3 +282,7 @@ class Scheduler:
         if free_kv and seq.block_table:
             self.kv_pool.free(seq.model, seq.block_table)
             seq.block_table = []
+
+
+def _ewma(average: float, seconds: float) -> float:
+    return seconds if average == 0.0 else STEP_EWMA * seconds + (1 - STEP_EWMA) * average

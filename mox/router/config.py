@@ -13,8 +13,9 @@ from mox.router.served_model import resolve_device
 ROUTER_POLICIES = ("rate", "lru", "lfu", "model-swap", "all-resident")
 # Decode steps a batch of decodes runs back to back when nothing else waits for the engine:
 # the steps' Python is paid once for these (bench/results/throughput-*.md). A run also ends
-# after about 0.2 s (its tokens stream out when it ends) and after any step where a request,
-# an abort or loaded weights wait (mox.engine.scheduler), so a long run delays nobody.
+# after about `DEFAULT_DECODE_RUN_S` (its tokens stream out when it ends) and after any step
+# where a request, an abort or loaded weights wait (mox.engine.scheduler), so what arrives
+# waits for the step in progress, not for the run.
 DEFAULT_DECODE_STEPS = 16
 
 

@@ -86,7 +86,8 @@ class Router:
                                                     tpot_target_s=config.tpot_target_s,
                                                     decode_steps=config.decode_steps),
                              compute_threads=config.compute_threads,
-                             io_busy=lambda: self.pager.loader.reader.busy)
+                             io_busy=lambda: self.pager.loader.reader.busy,
+                             interrupt=self._interrupted)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)
         self.models: dict[str, ServedModel] = {}
         # predictive prefetch (next layer's experts, popular experts into grown pools)
@@ -98,10 +99,9 @@ class Router:
         self.timeline = Timeline(_open_step_log(config.step_log) if config.step_log else None)
         self.wake = threading.Event()          # set when a load lands (drivers wait on it)
         self._loader = WeightLoader(self.wake)
-        # whether the driver holds work the router has not seen (AsyncEngine's inbox); it,
-        # or weights that landed, end a run of decode steps after its current step
+        # whether the driver holds work the router has not seen (AsyncEngine's inbox; the
+        # driver sets it): it, or weights that landed, end a run of decode steps
         self.outside_waiting: Callable[[], bool] = lambda: False
-        self.engine.interrupt = lambda: self.outside_waiting() or self._loader.has_landed
         self._next_plan = -math.inf
         for name, path in models.items():
             self.add_model(name, path, (settings or {}).get(name))
@@ -281,6 +281,10 @@ class Router:
             step.bytes_read, sum(self.has_requests(n) for n in self.models if n != step.model),
             step.parked_seconds, model.pool.num_slots if model.pool else 0,
             model.turn_run_slots))
+
+    def _interrupted(self) -> bool:
+        """The engine's `interrupt`: something waits that a run of decode steps delays."""
+        return self.outside_waiting() or self._loader.has_landed
 
     def step_in_progress(self) -> tuple[float, str] | None:
         """(seconds its current slice has run, what) of the step running now, or None; safe

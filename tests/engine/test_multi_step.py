@@ -36,9 +36,9 @@ def _generate(model, decode_steps: int, requests: list[tuple[list[int], Sampling
               interrupt=None):
     """Each request's tokens, log-probabilities and finish reason, the engine steps it took
     and the pager's hits, on a fresh engine (`interrupt`: the engine's, if given)."""
-    engine = Engine(16 << 20, block_size=4, config=SchedulerConfig(decode_steps=decode_steps))
-    if interrupt is not None:
-        engine.interrupt = interrupt
+    # (no time limit on a run: its length would follow this machine's step time)
+    engine = Engine(16 << 20, block_size=4, interrupt=interrupt,
+                    config=SchedulerConfig(decode_steps=decode_steps, decode_run_s=None))
     serve_loaded(engine, "m", model)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(Request(f"r{i}", "m", prompt, params))

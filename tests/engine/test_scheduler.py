@@ -171,10 +171,14 @@ def test_a_run_of_decode_steps_lasts_about_decode_run_s_at_the_models_step_time(
     assert scheduler.schedule().num_steps == 1          # the prompt
     seq.num_computed_tokens, seq.output_token_ids = seq.num_tokens, [7]
     assert scheduler.schedule().num_steps == 16         # no step timed yet: decode_steps
-    for step_s, steps in ((0.03, 3), (0.03, 3), (0.001, 16), (0.5, 1)):
-        scheduler.queues["a"].step_s = 0.0              # (the next record is the whole EWMA)
-        scheduler.record_step("a", step_s)
+    for step_s, steps in ((0.03, 3), (0.07, 1), (0.001, 16), (0.5, 1)):
+        scheduler.queues["a"].decode_step_s = 0.0       # (the next record is the whole EWMA)
+        scheduler.record_step("a", step_s, decodes_only=True)
         assert scheduler.schedule().num_steps == steps
+    scheduler.queues["a"].decode_step_s = 0.0
+    scheduler.record_step("a", 0.01, decodes_only=True)
+    scheduler.record_step("a", 5.0)                     # a prompt's step: not a decode's time
+    assert scheduler.schedule().num_steps == 10         # 0.1 s / 0.01 s
 
 
 def test_steps_back_to_back_stop_at_max_tokens_and_wait_for_nothing_else():

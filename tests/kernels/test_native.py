@@ -210,23 +210,24 @@ def test_mla_absorbed_decode_equals_attending_over_expanded_keys(fast):
     from mox.models.kv_store import KVStore
     from mox.models.mla import _expand, absorbed_decode
 
-    mla = MLASpec(None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                  v_head_dim=32, softmax_scale=48 ** -0.5)
+    # (a rotary part of 12: the vector loops' tail; 21 keys: more than one block of 16)
+    mla = MLASpec(None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=12,
+                  v_head_dim=32, softmax_scale=44 ** -0.5)
     heads = 4
-    store = KVStore(1, 1, 64, torch.bfloat16, torch.device("cpu"), block_size=4, value_dim=16)
+    store = KVStore(1, 1, 64, torch.bfloat16, torch.device("cpu"), block_size=4, value_dim=12)
     store.ensure_blocks(8)
     latents, rope_keys = store.rows(0)
     latents.copy_(_bf16(*latents.shape, seed=20))
     rope_keys.copy_(_bf16(*rope_keys.shape, seed=21))
     kv_b = _bf16(heads * (32 + 32), 64, seed=22) * 0.2
-    lengths = [6, 3]
+    lengths = [21, 3]
     kv_slots = torch.randperm(32, generator=torch.Generator().manual_seed(23))[:sum(lengths)]
     ends = torch.tensor(lengths).cumsum(0)
     batch = ForwardBatch(torch.zeros(2, dtype=torch.long), torch.tensor(lengths) - 1,
                          torch.arange(2), kv_slots[ends - 1], kv_slots,
                          torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)),
                          torch.cat([torch.arange(n) for n in lengths]), store)
-    q_nope, q_rope = _bf16(2, heads, 32, seed=24), _bf16(2, heads, 16, seed=25)
+    q_nope, q_rope = _bf16(2, heads, 32, seed=24), _bf16(2, heads, 12, seed=25)
     expanded = attend(batch, 0, torch.cat((q_nope, q_rope), -1), None,
                       scale=mla.softmax_scale, expand=partial(_expand, mla, heads, kv_b))
     batch.key_ranges = ends - torch.tensor(lengths), torch.tensor(lengths)

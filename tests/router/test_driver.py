@@ -87,12 +87,16 @@ def test_the_router_sees_work_waiting_in_the_loops_inbox(hf_checkpoints):
     router = async_engine.driver
     busy, release, done = (concurrent.futures.Future(), concurrent.futures.Future(),
                            concurrent.futures.Future())
-    async_engine.call(lambda _: (busy.set_result(True), release.result(timeout=30)))
-    busy.result(timeout=30)                 # the loop runs the first command: inbox empty
-    assert not router.outside_waiting() and not engine.interrupt()
-    async_engine.call(lambda _: done.set_result(True))
-    assert router.outside_waiting() and engine.interrupt()
-    release.set_result(True)
-    done.result(timeout=30)
-    assert not router.outside_waiting()
-    async_engine.shutdown()
+    try:
+        async_engine.call(lambda _: (busy.set_result(True), release.result(timeout=30)))
+        busy.result(timeout=30)             # the loop runs the first command: inbox empty
+        assert not router.outside_waiting() and not engine.interrupt()
+        async_engine.call(lambda _: done.set_result(True))
+        assert router.outside_waiting() and engine.interrupt()
+        release.set_result(True)
+        done.result(timeout=30)
+        assert not router.outside_waiting()
+    finally:
+        if not release.done():
+            release.set_result(True)
+        async_engine.shutdown()
