@@ -36,46 +36,44 @@ static void group_dot_plain(const float *qf, int group, int64_t dq, const uint16
     }
 }
 
-/* A vector path: four heads at a time while four are left (a constant count, so the
- * accumulators stay in registers), then one by one. */
-#define GROUP_DOT(name, attributes, vec, lanes, zero, widen, fma, load, reduce)                \
-    attributes static inline __attribute__((always_inline)) void name##_heads(              \
-            const float *q, int heads, int64_t dq, const uint16_t *k, int64_t n,            \
-            float *scores, int64_t stride, int add) {                                       \
-        vec acc[4];                                                                         \
-        for (int hq = 0; hq < heads; hq++)                                                  \
-            acc[hq] = zero();                                                               \
-        int64_t i = 0;                                                                      \
-        for (; i + lanes <= n; i += lanes) {                                                \
-            vec kv = widen(k + i);                                                          \
-            for (int hq = 0; hq < heads; hq++)                                              \
-                acc[hq] = fma(load(q + hq * dq + i), kv, acc[hq]);                          \
-        }                                                                                   \
-        for (int hq = 0; hq < heads; hq++) {                                                \
-            float s = reduce(acc[hq]);                                                      \
-            for (int64_t j = i; j < n; j++)                                                 \
-                s += q[hq * dq + j] * bf16_to_f32(k[j]);                                    \
-            scores[hq * stride] = add ? scores[hq * stride] + s : s;                        \
-        }                                                                                   \
-    }                                                                                       \
-    attributes static void name(const float *qf, int group, int64_t dq, const uint16_t *k,  \
-                                int64_t n, float *scores, int64_t stride, int add) {        \
-        int h0 = 0;                                                                         \
-        for (; h0 + 4 <= group; h0 += 4)                                                    \
-            name##_heads(qf + h0 * dq, 4, dq, k, n, scores + h0 * stride, stride, add);     \
-        for (; h0 < group; h0++)                                                            \
-            name##_heads(qf + h0 * dq, 1, dq, k, n, scores + h0 * stride, stride, add);     \
+/* The AVX2 path: four heads at a time while four are left (a constant count, so the
+ * accumulators stay in registers), then one by one; 8 lanes. */
+__attribute__((target("avx2,fma")))
+static inline __attribute__((always_inline)) void group_dot_avx2_heads(
+        const float *q, int heads, int64_t dq, const uint16_t *k, int64_t n, float *scores,
+        int64_t stride, int add) {
+    __m256 acc[4];
+    for (int hq = 0; hq < heads; hq++)
+        acc[hq] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 kv = widen8(k + i);
+        for (int hq = 0; hq < heads; hq++)
+            acc[hq] = _mm256_fmadd_ps(_mm256_loadu_ps(q + hq * dq + i), kv, acc[hq]);
     }
+    for (int hq = 0; hq < heads; hq++) {
+        float s = sum8(acc[hq]);
+        for (int64_t j = i; j < n; j++)
+            s += q[hq * dq + j] * bf16_to_f32(k[j]);
+        scores[hq * stride] = add ? scores[hq * stride] + s : s;
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void group_dot_avx2(const float *qf, int group, int64_t dq, const uint16_t *k,
+                           int64_t n, float *scores, int64_t stride, int add) {
+    int h0 = 0;
+    for (; h0 + 4 <= group; h0 += 4)
+        group_dot_avx2_heads(qf + h0 * dq, 4, dq, k, n, scores + h0 * stride, stride, add);
+    for (; h0 < group; h0++)
+        group_dot_avx2_heads(qf + h0 * dq, 1, dq, k, n, scores + h0 * stride, stride, add);
+}
 
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static inline __m512 widen16(const uint16_t *k) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)k));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-
-/* 8 lanes, for CPUs with AVX2 but not AVX-512 */
-GROUP_DOT(group_dot_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps,
-          widen8, _mm256_fmadd_ps, _mm256_loadu_ps, sum8)
 
 /* The scores of a block of up to KEY_BLOCK keys (rows at keys + slots[j] * k_stride) against
  * a group of query heads: scores[hq * stride + j] (+)= qf[hq * dq ..] . k_j[0 .. d). The

@@ -132,7 +132,7 @@ class ModelRunner:
                             torch.tensor(kv_slots, dtype=torch.long, device=device),
                             torch.tensor(kv_pos, dtype=torch.long, device=device))
 
-    def steps(self, batch: Batch, interrupt: Callable[[], bool] = lambda: False
+    def steps(self, batch: Batch, interrupt: Callable[[], bool]
               ) -> Generator[ReadsPending | None, None, list[list[SampledToken]]]:
         """Run the batch and sample: its sampled tokens, a list per step (one step, or up
         to `batch.num_steps` decode steps back to back, which end early where a sequence

@@ -29,8 +29,8 @@ Design note.
   Python of a step (scheduling, building the index tensors, sampling, the outputs) is paid
   once for several tokens. Its KV blocks are reserved for every step before it starts; the
   steps stop early where a sequence samples a stop token, and never run past a sequence's
-  `max_tokens`. A run lasts about `decode_run_s` at most (the model's recent step time
-  decides how many steps that is), since its tokens stream out when it ends; and it ends
+  `max_tokens`. A run lasts about `decode_run_s` at most (the model's recent decode steps'
+  time decides how many steps that is), since its tokens stream out when it ends; and it ends
   after any step where the engine's `interrupt` says that something waits (a request that
   arrived, an abort, weights that landed), so that waits one step, not the whole run.
 - KV: a sequence gets the blocks its new tokens need before it is scheduled. When the pool is
@@ -221,8 +221,8 @@ class Scheduler:
     def _decode_steps(self, model: str, scheduled: list[ScheduledSequence]) -> int:
         """How many decode steps the batch may run back to back: one unless it is all
         decodes and nothing else waits for the engine; at most what every sequence may still
-        generate, what fits `decode_run_s` at the model's recent step time, and what the KV
-        pool holds without preempting anyone."""
+        generate, what fits `decode_run_s` at the model's recent decode steps' time, and
+        what the KV pool holds without preempting anyone."""
         step_s, run_s = self.queues[model].decode_step_s, self.config.decode_run_s
         in_time = (self.config.decode_steps if step_s == 0.0 or run_s is None
                    else max(1, int(run_s / step_s)))
