@@ -130,6 +130,30 @@ def test_no_compiler_means_no_native_kernels(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.so"))           # nothing half-built left behind
 
 
+def test_a_compiler_without_march_native_still_builds(tmp_path, monkeypatch):
+    """-march=native is tried first; a compiler that rejects it builds the portable library."""
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+                  'exec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    built = native_build.build(native_build.SOURCE_DIR)
+    assert built is not None and os.path.exists(built)
+    assert [p.name for p in (tmp_path / "cache").rglob("*.so")] == [os.path.basename(built)]
+
+
+def test_the_cache_holds_one_library_per_cpu(tmp_path, monkeypatch):
+    """Built for the CPU it runs on, so a cache shared by two CPUs keeps a library for each."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native_build, "_cpu_identity", lambda: "cpu one")
+    first = native_build.build(native_build.SOURCE_DIR)
+    assert native_build.build(native_build.SOURCE_DIR) == first        # cached
+    monkeypatch.setattr(native_build, "_cpu_identity", lambda: "cpu two")
+    second = native_build.build(native_build.SOURCE_DIR)
+    assert first is not None and second is not None and first != second
+
+
 def _reference_attention(q, keys, values, slots, window):
     """One token's attention over the given key rows, fp32, GQA by repetition."""
     if window is not None:
