@@ -90,25 +90,6 @@ _Static_assert(KEY_BLOCK == 16, "a block of keys is one vector of 16 float sums 
 KEYS_ONE_BY_ONE(block_dot_plain, , group_dot_plain)
 KEYS_ONE_BY_ONE(block_dot_avx2, __attribute__((target("avx2,fma"))), group_dot_avx2)
 
-/* v[m]'s lanes summed into lane m, for 16 vectors at once: a tree of in-lane unpacks and
- * shuffles, then across 128-bit lanes (45 instructions, where a reduction of each vector
- * alone is a chain of ~8 on its own result) */
-__attribute__((target("avx512f")))
-static inline __m512 sum_each16(const __m512 *v) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int i = 0; i < 8; i++)     /* per 128-bit lane: v0[0]+v0[2], v1[0]+v1[2], .. */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)     /* per 128-bit lane l: the lane's sum of v[4i .. 4i + 3] */
-        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
-                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)     /* lanes (0 + 1), (2 + 3) of quads 2i, then of 2i + 1 */
-        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-}
-
 /* 16 lanes, a block of keys at a time: each key's products for up to four heads summed in
  * registers (a vector a head), parked, and the block's vectors reduced together by
  * sum_each16. Reducing each key's vector on its own (a chain of dependent shuffles and adds
