@@ -7,8 +7,9 @@ The library is built on the machine that loads it, so it is compiled for that CP
 path at run time either way, but the scalar loops between them (norms, bf16 conversions,
 residual adds, the experts' combine) are then vectorized by the compiler with the CPU's widest
 instructions. That is exact (no reassociation without -ffast-math, no contraction with
--ffp-contract=off) and at 32 sequences took those phases of a bench decode step from 2.5 to
-1.6 ms (chain_timeline, bench/results/). A compiler that rejects the flag builds without it."""
+-ffp-contract=off), and at 32 sequences it took about 0.6 ms off a 41-48 ms bench decode
+step (bench/results/chain_timeline-4.md to -7.md, alternated). A compiler that rejects the
+flag builds without it."""
 
 from __future__ import annotations
 

@@ -14,12 +14,16 @@
 #define TILE_MIN_ROWS 3        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
 #define PREFETCH_AHEAD 4096     /* AVX2 tiles: prefetch 8 KiB of weights ahead (see tile_avx2) */
 #define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for one x row (see tile1_avx2) */
+#define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
 
 /* one weight row against M x rows; K a multiple of 32. One x row (every weight read of a
  * batch-1 step) runs four chains of dot products, 256 bytes of the row an iteration: with two,
  * the chains' latency bound a row in cache at about half the rate a fast spell of this VM's
  * memory streams, and from memory a MoE layer at one token read 1.07-1.11x faster with four,
- * the GEMV 1.05x (AMD EPYC Zen 4, alternated builds). */
+ * the GEMV 1.05x (AMD EPYC Zen 4, alternated builds). Each loop prefetches the row 4 KiB
+ * ahead into L2, a line for each line it reads: against the stream timed beside it, a MoE
+ * layer read 1.05x faster at 8 tokens (two runs), 0.99-1.03x at 1 and 32 (Zen 5,
+ * bench/results/moe_stream-row-prefetch-{1,2}.md). */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *row, float *out,
                               int64_t ldy, int M, int64_t K) {
@@ -29,6 +33,8 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
     if (M == 1) {
         __m512 acc2 = _mm512_setzero_ps(), acc3 = acc2;
         for (; k + 128 <= K; k += 128) {
+            for (int l = 0; l < 4; l++)
+                _mm_prefetch((const char *)(row + k + PREFETCH_AHEAD_ONE + 32 * l), _MM_HINT_T1);
             __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
             __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32));
             __m512bh w2 = (__m512bh)_mm512_loadu_si512((const void *)(row + k + 64));
@@ -43,6 +49,8 @@ static inline void row_avx512(const uint16_t *x, int64_t ldx, const uint16_t *ro
         acc[0][1] = _mm512_add_ps(acc[0][1], acc3);
     }
     for (; k + 64 <= K; k += 64) {          /* two independent chains per x row */
+        _mm_prefetch((const char *)(row + k + PREFETCH_AHEAD_ONE), _MM_HINT_T1);
+        _mm_prefetch((const char *)(row + k + PREFETCH_AHEAD_ONE + 32), _MM_HINT_T1);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
         __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32));
         for (int m = 0; m < M; m++) {
