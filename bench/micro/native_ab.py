@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="git revision of the base sources")
     parser.add_argument("--name", help="also write bench/results/NAME.md")
+    parser.add_argument("--base-flags", default=" ".join(native_build.TARGET_FLAGS),
+                        help="the base build's target flags (default: the new build's, "
+                             "%(default)s)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="which kernels, of " + ", ".join(PARTS))
     args = parser.parse_args(argv)
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
-        base = native_build.build(base_sources(args.base, folder))
+        base = native_build.build(base_sources(args.base, folder),
+                                  target_flags=tuple(args.base_flags.split()))
         new = native_build.build(native.SOURCE_DIR)
         if base is None or new is None:
             raise SystemExit("the native kernels could not be built here")
@@ -178,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     head = ["# Native kernels: the working tree against " + args.base, "",
             f"- command: .venv/bin/python -m mox.bench.micro.native_ab --base {args.base}"
             + (f" --name {args.name}" if args.name else "")
-            + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else ""),
+            + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else "")
+            + (f" --base-flags '{args.base_flags}'" if args.base_flags.split()
+               != list(native_build.TARGET_FLAGS) else ""),
+            f"- target flags: base {args.base_flags}, new {' '.join(native_build.TARGET_FLAGS)}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
             f"- machine: {describe()}", f"- load average before: {load[0]:.2f}",
             f"- threads: {torch.get_num_threads()}", "",

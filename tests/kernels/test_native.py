@@ -155,6 +155,14 @@ def test_the_cache_holds_one_library_per_cpu(tmp_path, monkeypatch):
     assert first is not None and second is not None and first != second
 
 
+def test_the_cache_holds_one_library_per_set_of_target_flags(tmp_path, monkeypatch):
+    """bench/micro/native_ab builds the same sources with other flags beside the default."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tuned = native_build.build(native_build.SOURCE_DIR)
+    untuned = native_build.build(native_build.SOURCE_DIR, target_flags=("-march=native",))
+    assert tuned is not None and untuned is not None and tuned != untuned
+
+
 def _reference_attention(q, keys, values, slots, window):
     """One token's attention over the given key rows, fp32, GQA by repetition."""
     if window is not None:
