@@ -7,7 +7,7 @@ VM's read rate drifts 30-50% between runs; alternation measures a kernel change 
 moment), and each format's new / base ratio of medians is printed.
 
     .venv/bin/python -m mox.bench.micro.expert_rate [--hidden 1024] [--inter 3584]
-        [--rows 1] [--threads 2] [--passes 5] [--base REV]
+        [--rows 1] [--threads 2] [--passes 5] [--base REV] [--base-flags=FLAGS]
 
 (`--inter 3584`: the experts preset's experts, 22 MiB in bf16; the bench preset's are 512.)
 """
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from mox.bench.micro.native_ab import base_sources
+from mox.bench.micro.native_ab import base_build
 from mox.bench.micro.quant_kernels import quantized_pool
 from mox.kernels import native, native_build
 from mox.kernels.quant import INT4_GROUP128, INT8_PER_CHANNEL
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--base", help="git revision whose kernels take turns with the tree's")
+    ap.add_argument("--base-flags", default=" ".join(native_build.TARGET_FLAGS),
+                    help="the base build's target flags (default: the tree's, %(default)s)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         paths = {"new": native_build.build(native.SOURCE_DIR)}
         if args.base:
-            paths["base"] = native_build.build(base_sources(args.base, folder))
+            paths["base"] = base_build(args.base, args.base_flags, folder)
         if None in paths.values():
             raise SystemExit("the native kernels could not be built here")
         builds = {tag: native.NativeKernels(path) for tag, path in paths.items()}

@@ -61,6 +61,12 @@ def base_sources(rev: str, folder: str) -> str:
     return folder
 
 
+def base_build(revision: str, flags: str, folder: str) -> str | None:
+    """The library of `revision`'s sources, built with the target flags `flags` (the
+    `--base-flags` of the A/Bs)."""
+    return native_build.build(base_sources(revision, folder), target_flags=tuple(flags.split()))
+
+
 def alternate(builds: dict[str, native.NativeKernels],
               one_pass: Callable[[native.NativeKernels], int]) -> dict[str, float]:
     """Median GB/s per build, the builds taking turns pass by pass."""
@@ -172,8 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
-        base = native_build.build(base_sources(args.base, folder),
-                                  target_flags=tuple(args.base_flags.split()))
+        base = base_build(args.base, args.base_flags, folder)
         new = native_build.build(native.SOURCE_DIR)
         if base is None or new is None:
             raise SystemExit("the native kernels could not be built here")
