@@ -20,6 +20,7 @@
 #include "exported.h"
 #include "rows.h"
 #include "softmax.h"
+#include "vexp.h"
 
 /* The scores of one key against a group of query heads: scores[hq * stride] (+)=
  * qf[hq * dq ..] . k[0 .. n) for hq < group (q float32, k bf16; `add`: onto what is there,
@@ -145,27 +146,11 @@ static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint1
                                scores + h0 * stride, stride, add);
 }
 
-/* The softmax of a head's scores (softmax.h's softmax_plain for any CPU). The vector paths'
- * exp is Cephes' single precision polynomial, 8 or 16 at a time: glibc's scalar expf is a call
- * per key and head, which dominated long contexts. */
+/* The softmax of a head's scores (softmax.h's softmax_plain for any CPU), 8 or 16 at a time
+ * with vexp.h's exp. */
 
-#define EXP_POLY {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, \
-                  1.6666665459e-1f, 5.0000001201e-1f}
-#define SOFTMAX_VEC(name, attributes, vec, ivec, lanes, set1, fma, mul, div, add, sub, maxf,   \
-                    minf, floorf_, cvt, shift, addi, cast, load, store, reduce_max, reduce_add) \
-    attributes static inline vec name##_exp(vec x) {                                            \
-        static const float poly[] = EXP_POLY;                                                   \
-        x = maxf(minf(x, set1(88.3762626647949f)), set1(-87.3365447504019f));                   \
-        vec n = floorf_(fma(x, set1(1.44269504088896341f), set1(0.5f)));                       \
-        x = sub(x, mul(n, set1(0.693359375f)));                                                 \
-        x = sub(x, mul(n, set1(-2.12194440e-4f)));                                              \
-        vec y = set1(poly[0]);                                                                  \
-        for (int i = 1; i < 6; i++)                                                             \
-            y = fma(y, x, set1(poly[i]));                                                       \
-        y = add(fma(y, mul(x, x), x), set1(1.0f));                                              \
-        ivec e = shift(addi(cvt(n), ivec_set1_##name(127)), 23);                                \
-        return mul(y, cast(e));                                                                 \
-    }                                                                                           \
+#define SOFTMAX_VEC(name, attributes, vec, lanes, set1, exp, div, add, sub, maxf, load, store,  \
+                    reduce_max, reduce_add)                                                     \
     attributes static void name(float *p, int64_t n) {                                          \
         float top = -INFINITY, total = 0.0f;                                                    \
         int64_t j = 0;                                                                          \
@@ -176,7 +161,7 @@ static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint1
         for (; j < n; j++)                                                                      \
             top = p[j] > top ? p[j] : top;                                                      \
         for (j = 0; j + lanes <= n; j += lanes) {                                               \
-            vec e = name##_exp(sub(load(p + j), set1(top)));                                    \
+            vec e = exp(sub(load(p + j), set1(top)));                                           \
             store(p + j, e);                                                                    \
             sums = add(sums, e);                                                                \
         }                                                                                       \
@@ -184,7 +169,7 @@ static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint1
         int64_t rest = n - j;                                                                   \
         for (int64_t i = 0; i < lanes; i++)                                                     \
             tail[i] = i < rest ? p[j + i] - top : -INFINITY;                                    \
-        store(tail, name##_exp(load(tail)));                                                    \
+        store(tail, exp(load(tail)));                                                           \
         for (int64_t i = 0; i < rest; i++)                                                      \
             p[j + i] = tail[i];                                                                 \
         total = reduce_add(sums);                                                               \
@@ -197,9 +182,6 @@ static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint1
             p[j] /= total;                                                                      \
     }
 
-#define ivec_set1_softmax_avx2 _mm256_set1_epi32
-#define ivec_set1_softmax_avx512 _mm512_set1_epi32
-
 __attribute__((target("avx2,fma")))
 static inline float max8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -207,21 +189,13 @@ static inline float max8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-__attribute__((target("avx512f")))
-static inline __m512 floor16(__m512 x) {
-    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-}
-
-SOFTMAX_VEC(softmax_avx2, __attribute__((target("avx2,fma"))), __m256, __m256i, 8,
-            _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_div_ps, _mm256_add_ps,
-            _mm256_sub_ps, _mm256_max_ps, _mm256_min_ps, _mm256_floor_ps, _mm256_cvtps_epi32,
-            _mm256_slli_epi32, _mm256_add_epi32, _mm256_castsi256_ps, _mm256_loadu_ps,
-            _mm256_storeu_ps, max8, sum8)
-SOFTMAX_VEC(softmax_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512,
-            __m512i, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_div_ps,
-            _mm512_add_ps, _mm512_sub_ps, _mm512_max_ps, _mm512_min_ps, floor16, _mm512_cvtps_epi32,
-            _mm512_slli_epi32, _mm512_add_epi32, _mm512_castsi512_ps, _mm512_loadu_ps,
-            _mm512_storeu_ps, _mm512_reduce_max_ps, _mm512_reduce_add_ps)
+SOFTMAX_VEC(softmax_avx2, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_set1_ps,
+            exp8_avx2, _mm256_div_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_max_ps,
+            _mm256_loadu_ps, _mm256_storeu_ps, max8, sum8)
+SOFTMAX_VEC(softmax_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), __m512, 16,
+            _mm512_set1_ps, exp16_avx512, _mm512_div_ps, _mm512_add_ps, _mm512_sub_ps,
+            _mm512_max_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_reduce_max_ps,
+            _mm512_reduce_add_ps)
 
 /* out[hq, :] = sum_j p[hq * length + j] * V[slots[j], :dv] for the hq < group query heads
  * sharing one KV head (`values`: that head's part of the store's first row), each sum over
