@@ -26,3 +26,7 @@ class MappedTensor:
         last = end * self.row_nbytes // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def release(self) -> None:
+        """Give back every page (the last one too, where the mapping ends inside it)."""
+        self._map.madvise(mmap.MADV_DONTNEED)

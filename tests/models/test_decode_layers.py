@@ -110,13 +110,13 @@ def test_a_layer_that_misses_pages_in_waves_and_the_chain_goes_on(checkpoints, m
 
 def test_the_table_follows_a_kv_store_that_grows(checkpoints, monkeypatch):
     """The layers' table points into the KV store without holding it: after the store grows
-    (every layer's tensors reallocated) the next step builds it anew, and a table handed
+    (every layer's tensors a new shape) the next step builds it anew, and a table handed
     another store is refused rather than written through."""
     model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
     batch = decode_batch(model, torch.Generator().manual_seed(12))
     first = model.forward_batch(batch)
     table = model._step[1]
-    batch.kv.ensure_blocks(2 * batch.kv.num_blocks)        # moves every layer's tensors
+    batch.kv.ensure_blocks(2 * batch.kv.num_blocks)        # every layer's tensors change shape
     again = model.forward_batch(batch)    # the same tokens at the same slots: the same K, V
     assert model._step[1] is not table and torch.equal(again, first)
     with monkeypatch.context() as patch:
