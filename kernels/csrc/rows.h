@@ -11,7 +11,7 @@
 #include "bf16.h"
 
 #define MAX_ROWS 8
-#define TILE_MIN_ROWS 3        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
+#define TILE_MIN_ROWS 5        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
 #define PREFETCH_AHEAD 4096     /* AVX2 tiles: prefetch 8 KiB of weights ahead (see tile_avx2) */
 #define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for one x row (see tile1_avx2) */
 #define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
@@ -99,9 +99,11 @@ static inline __m512 sum_each16(const __m512 *v) {
  * prefetched into L2, not L1 (_MM_HINT_T1): into L1 a tile's prefetches waited on L1's few
  * miss buffers and the x rows streaming through L1 evicted them; into L2 the GEMV read 1.5-1.7x
  * faster at 8 rows, 1.1-1.5x at 4, 16 and 32 (native_ab, two runs; at 4 rows against
- * row_avx512, which 4 rows took before). Tiles from 2 rows instead of 3 measured 0.84-1.39x at
- * 2 rows and 1.00x in the MoE layer (two runs): noise, so they start at 3. Inlined with
- * constant MR, NR. */
+ * row_avx512, which 4 rows took before; Zen 4). On Zen 5, twice Zen 4's dot-product rate, the
+ * tiles start at 5 x rows (TILE_MIN_ROWS): from memory the rows one at a time (each weight row
+ * streamed whole, where a tile reads 4 rows side by side) read 1.09-1.30x faster at 4 rows
+ * (bench/results/native_ab_rows4-{1,2}.md), 1.25-1.29x at 3, 1.02-1.05x at 5, 0.90x at 6 and
+ * 0.79x at 8 (ad-hoc, alternated builds). Inlined with constant MR, NR. */
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"), always_inline))
 static inline void tile_avx512(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
                                float *out, int64_t ldm, int MR, int NR, int64_t K) {

@@ -50,6 +50,9 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take(fast):
     w = _bf16(20, 64, seed=4)
     torch.testing.assert_close(NATIVE.gemv(x, w, fast=fast), x.float() @ w.float().t(),
                                rtol=1e-4, atol=1e-2)
+    wide = _bf16(20, 96, seed=6)[:, 32:]               # weight rows 96 apart (the tiles'
+    torch.testing.assert_close(NATIVE.gemv(x, wide, fast=fast),  # prefetches: per row)
+                               x.float() @ wide.float().t(), rtol=1e-4, atol=1e-2)
     with pytest.raises(ValueError):
         NATIVE.gemv(_bf16(1025, 64, seed=5), w, fast=fast)       # more rows than it takes
     with pytest.raises(ValueError):
