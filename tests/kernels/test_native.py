@@ -97,6 +97,28 @@ def test_moe_experts_matches_the_reference(fast, counts, gpt_oss):
     torch.testing.assert_close(got, down * weights[:, None], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("fast", PATHS)
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-swiglu"])
+def test_a_gate_far_below_zero_activates_to_zero(fast, gpt_oss):
+    """SiLU(gate) for a gate of -2^126: exp(-gate) overflows to inf and the activation is -0,
+    as torch's; an exp that saturates short of inf (at 2.4e38) gave -0.35 here."""
+    hidden = inter = 32
+    rows = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    rows[0, 0] = 2.0 ** 63
+    w13 = torch.zeros(1, 2 * inter, hidden, dtype=torch.bfloat16)
+    w13[0, :inter, 0] = -(2.0 ** 63)                 # every gate -2^126
+    w13[0, inter:, 0] = 2.0 ** -63                   # every up 1
+    w2 = torch.full((1, hidden, inter), 0.01, dtype=torch.bfloat16)
+    activation = Activation(CLAMPED_SWIGLU, limit=7.0) if gpt_oss else Activation(SILU)
+    scratch = [torch.empty(1, 2 * inter), torch.empty(1, inter, dtype=torch.bfloat16),
+               torch.empty(1, hidden)]
+    got = NATIVE.moe_experts(rows, w13, w2, [(0, 1)], torch.ones(1), scratch, fast=fast,
+                             activation=activation)
+    want = activation(torch.full((1, inter), -(2.0 ** 126)), torch.ones(1, inter))
+    assert torch.equal(want, torch.zeros_like(want))
+    assert torch.equal(got, torch.zeros_like(got))
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])
 def test_fused_moe_with_the_native_kernels_matches_the_reference(num_tokens, monkeypatch):
     """Decode shapes take the native kernels where they serve; either way, the result is the

@@ -14,7 +14,8 @@ SEQ_SLOTS = 32               # each sequence's slots start at a multiple of this
 def decode_batch(model, gen: torch.Generator) -> ForwardBatch:
     """Three sequences prefilled one by one into one store, then one decode batch of them."""
     store = model.new_kv_store(block_size=8)
-    store.ensure_blocks(len(PROMPTS) * SEQ_SLOTS // 8)
+    blocks = len(PROMPTS) * SEQ_SLOTS // 8
+    store.ensure_blocks(blocks, max_blocks=4 * blocks)   # (on the CPU: mapped for 4x)
     vocab = model.spec.vocab_size
     for i, n in enumerate(PROMPTS):
         slots = torch.arange(n) + i * SEQ_SLOTS

@@ -110,15 +110,19 @@ def test_a_layer_that_misses_pages_in_waves_and_the_chain_goes_on(checkpoints, m
 
 def test_the_table_follows_a_kv_store_that_grows(checkpoints, monkeypatch):
     """The layers' table points into the KV store without holding it: after the store grows
-    (every layer's tensors a new shape) the next step builds it anew, and a table handed
-    another store is refused rather than written through."""
+    (in place, its tensors longer views of their mappings; or past its mappings, into new
+    ones) the next step builds it anew, and a table handed another store is refused rather
+    than written through."""
     model = open_tiny(checkpoints["mixtral"], torch.bfloat16)
     batch = decode_batch(model, torch.Generator().manual_seed(12))
     first = model.forward_batch(batch)
-    table = model._step[1]
-    batch.kv.ensure_blocks(2 * batch.kv.num_blocks)        # every layer's tensors change shape
-    again = model.forward_batch(batch)    # the same tokens at the same slots: the same K, V
-    assert model._step[1] is not table and torch.equal(again, first)
+    blocks = batch.kv.num_blocks                # mapped for 4x as many (decode_batch)
+    for size, in_place in ((2 * blocks, True), (8 * blocks, False)):
+        table, where = model._step[1], batch.kv.keys[0].data_ptr()
+        batch.kv.ensure_blocks(size)
+        assert (batch.kv.keys[0].data_ptr() == where) == in_place
+        # the same tokens at the same slots: the same K, V and logits, through a new table
+        assert torch.equal(model.forward_batch(batch), first) and model._step[1] is not table
     with monkeypatch.context() as patch:
         patch.setattr(decoder.MoEDecoder, "_chains", lambda self: False)
         assert torch.equal(model.forward_batch(batch), first)

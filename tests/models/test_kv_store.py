@@ -53,9 +53,11 @@ def test_a_released_store_gives_its_pages_back_and_grows_again():
     store = _store()
     store.ensure_blocks(4, max_blocks=8)
     _write(store, [2, 9], seed=3)
+    where = store.keys[0].data_ptr()
     store.release()
     assert store.num_blocks == 0 and store.keys == [] and store.values == []
     store.ensure_blocks(4, max_blocks=8)
+    assert store.keys[0].data_ptr() == where          # the same mapping, its pages new
     # the pages were handed back (MADV_DONTNEED): they read as zeros, not as the old K/V
     for layer in range(store.num_layers):
         got_k, got_v = store.gather(layer, torch.tensor([2, 9]))
