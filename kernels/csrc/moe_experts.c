@@ -26,26 +26,32 @@
 #include "vexp.h"
 #include "exported.h"
 
-/* How the threads share a call's experts. While many experts remain, a thread claims a whole
- * expert and computes it alone: its gate rows, up rows, activations and down rows, three runs
- * of 1 MiB for a bench expert that the prefetchers follow at the memory's full rate, with no
- * barrier (an expert's down rows read only its own activations). The last TAIL_PER_THREAD
- * experts per thread are shared finely, CHUNK_ROWS weight rows a claim (whole QBLOCKs) in two
- * passes with a barrier between them, so the threads finish together: on a VM the two rarely
- * get equal shares of the memory bus. This VM's memory (AMD EPYC Zen 4, two threads) streams
- * at ~31 GB/s for minutes, then 45-56 for a while: against a GEMV stream timed the moment
- * before (bench/micro/moe_stream.py --base 1af951e, two runs), 128-row claims throughout (one
- * barrier a call) read experts at 0.92-0.98x the stream's rate at 8 and 32 tokens in the slow
- * spells and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x.
- * The tail's claims are handed out guided, not one at a time: a thread's first claim is
- * half of what is left over the threads, then the claims shrink, so each thread reads long
- * runs of adjacent chunks and the last small claims still even out the finish. One chunk at a
- * claim had the two threads alternating 128 KiB runs through the same rows: in a fast spell
- * (the GEMV over the same bytes at 64-72 GB/s) four bench experts for one token read at 48
- * GB/s that way and 60-64 guided, static, or as whole experts (alternated builds).
- * A claim holds CHUNK_ROWS bf16 rows' bytes: 2x the rows for the 8-bit formats, 4x for the
- * 4-bit ones (int4's 64-row claims were 32 KiB runs of gate rows, read at 0.83-0.91x the
- * rate of 256-row claims over experts preset shapes, one and two experts a call). */
+/* How the threads share a call's experts. While many experts remain, each thread takes a
+ * contiguous run of them (static) and computes each one alone: its gate rows, up rows,
+ * activations and down rows, three runs of 1 MiB for a bench expert that the prefetchers follow
+ * at the memory's full rate, with no barrier (an expert's down rows read only its own
+ * activations). The active slots come in order and are mostly adjacent, so a thread's gate and
+ * up rows run on from one expert into the next, as do its down rows; claimed one at a time, the
+ * threads took alternate experts and each stream started over at every expert. In the VM's fast
+ * spells (~70-75 GB/s) a MoE layer at 32 tokens read 1.04x faster with the runs, the same in
+ * slow ones (bench/micro/expert_spells.py, 268 and 535 rounds; an ad-hoc loop before it, twice:
+ * 1.04x and 1.04x fast, 1.00x and 1.01x slow). The last TAIL_PER_THREAD experts per thread are
+ * shared finely, CHUNK_ROWS weight rows a claim (whole QBLOCKs) in two passes with a barrier
+ * between them, so the threads finish together: on a VM the two rarely get equal shares of the
+ * memory bus. This VM's memory (AMD EPYC Zen 4, two threads) streams at ~31 GB/s for minutes,
+ * then 45-56 for a while: against a GEMV stream timed the moment before
+ * (bench/micro/moe_stream.py --base 1af951e, two runs), 128-row claims throughout (one barrier
+ * a call) read experts at 0.92-0.98x the stream's rate at 8 and 32 tokens in the slow spells
+ * and 0.70-0.74x in the fast ones, whole experts at 0.94-1.01x and 0.80-0.82x. The tail's
+ * claims are handed out guided, not one at a time: a thread's first claim is half of what is
+ * left over the threads, then the claims shrink, so each thread reads long runs of adjacent
+ * chunks and the last small claims still even out the finish. One chunk at a claim had the two
+ * threads alternating 128 KiB runs through the same rows: in a fast spell (the GEMV over the
+ * same bytes at 64-72 GB/s) four bench experts for one token read at 48 GB/s that way and 60-64
+ * guided, static, or as whole experts (alternated builds). A claim holds CHUNK_ROWS bf16 rows'
+ * bytes: 2x the rows for the 8-bit formats, 4x for the 4-bit ones (int4's 64-row claims were 32
+ * KiB runs of gate rows, read at 0.83-0.91x the rate of 256-row claims over experts preset
+ * shapes, one and two experts a call). */
 #define CHUNK_ROWS 64
 #define TAIL_PER_THREAD 2
 
@@ -341,7 +347,7 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
             for (int64_t p = 0; p < num_rows; p++)
                 quantize_blocks(rows, &q13, p, 0, H / QBLOCK);
         }
-        #pragma omp for schedule(dynamic, 1) nowait
+        #pragma omp for schedule(static) nowait
         for (int64_t a = 0; a < whole; a++) {
             gate_up_rows(&e, a, 0, I);
             down_rows(&e, a, 0, H);
