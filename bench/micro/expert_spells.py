@@ -28,24 +28,12 @@ from pathlib import Path
 import torch
 
 from mox.bench.machine import describe
-from mox.bench.micro.native_ab import base_build
+from mox.bench.micro.native_ab import HIDDEN, INTER, SLOTS, base_build, routed_call
 from mox.bench.micro.throughput import ReadRates
 from mox.kernels import native, native_build
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
-HIDDEN, INTER, SLOTS, TOP_K, LAYERS = 1024, 512, 64, 4, 8     # the bench olmoe's experts
-
-
-def routed_calls(tokens: int, generator: torch.Generator) -> list:
-    """One layer call's arguments: `tokens` tokens routed to TOP_K slots each, at random."""
-    ids = torch.stack([torch.randperm(SLOTS, generator=generator)[:TOP_K]
-                       for _ in range(tokens)]).flatten()
-    slots, counts = torch.unique(ids, return_counts=True)
-    rows = tokens * TOP_K
-    return [list(zip(slots.tolist(), counts.tolist())), torch.randn(rows, HIDDEN).bfloat16(),
-            torch.ones(rows), [torch.empty(rows, 2 * INTER),
-                               torch.empty(rows, INTER, dtype=torch.bfloat16),
-                               torch.empty(rows, HIDDEN)]]
+LAYERS = 8                # the bench olmoe's MoE layers: 1.5 GiB of experts
 
 
 def main() -> None:
@@ -70,7 +58,7 @@ def main() -> None:
               (torch.randn(SLOTS, HIDDEN, INTER, generator=generator) * 0.05).bfloat16())
              for _ in range(LAYERS)]
     tokens = [int(t) for t in args.tokens.split(",")]
-    calls = {t: routed_calls(t, generator) for t in tokens}
+    calls = {t: routed_call(t, generator) for t in tokens}
 
     def rate(lib: native.NativeKernels, t: int) -> float:
         runs, rows, weights, scratch = calls[t]

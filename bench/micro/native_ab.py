@@ -109,6 +109,19 @@ def gemv_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
     return lines
 
 
+def routed_call(tokens: int, generator: torch.Generator) -> tuple:
+    """One MoE layer call's arguments over the bench olmoe's experts: `tokens` tokens routed
+    to TOP_K of SLOTS slots each at random, as (runs, rows, routing weights, scratch)."""
+    ids = torch.stack([torch.randperm(SLOTS, generator=generator)[:TOP_K]
+                       for _ in range(tokens)]).flatten()
+    slots, counts = torch.unique(ids, return_counts=True)
+    num_rows = tokens * TOP_K
+    return (list(zip(slots.tolist(), counts.tolist())), torch.randn(num_rows, HIDDEN).bfloat16(),
+            torch.ones(num_rows), [torch.empty(num_rows, 2 * INTER),
+                                   torch.empty(num_rows, INTER, dtype=torch.bfloat16),
+                                   torch.empty(num_rows, HIDDEN)])
+
+
 def moe_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
     w13 = (torch.randn(SLOTS, 2 * INTER, HIDDEN) * 0.05).bfloat16()
     w2 = (torch.randn(SLOTS, HIDDEN, INTER) * 0.05).bfloat16()
@@ -116,17 +129,7 @@ def moe_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
     lines = ["| MoE layer (64 slots of 3 MiB) | base GB/s | new GB/s | new / base |",
              "|---|---|---|---|"]
     for tokens in MOE_TOKENS:
-        calls = []
-        for _ in range(24):
-            ids = torch.stack([torch.randperm(SLOTS, generator=generator)[:TOP_K]
-                               for _ in range(tokens)]).flatten()
-            slots, counts = torch.unique(ids, return_counts=True)
-            runs = list(zip(slots.tolist(), counts.tolist()))
-            num_rows = tokens * TOP_K
-            calls.append((runs, torch.randn(num_rows, HIDDEN).bfloat16(), torch.ones(num_rows),
-                          [torch.empty(num_rows, 2 * INTER),
-                           torch.empty(num_rows, INTER, dtype=torch.bfloat16),
-                           torch.empty(num_rows, HIDDEN)]))
+        calls = [routed_call(tokens, generator) for _ in range(24)]
         r = alternate(builds, partial(_moe_pass, calls, w13, w2))
         lines.append(f"| {tokens} tokens | {r['base']:.1f} | {r['new']:.1f} | "
                      f"{r['new'] / r['base']:.2f}x |")
