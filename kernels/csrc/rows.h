@@ -12,7 +12,7 @@
 
 #define MAX_ROWS 8
 #define TILE_MIN_ROWS 5        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
-#define PREFETCH_AHEAD 4096     /* AVX2 tiles: prefetch 8 KiB of weights ahead (see tile_avx2) */
+#define PREFETCH_AHEAD 4096     /* tiles: prefetch 8 KiB of weights ahead (tiles_avx2, tile_avx512) */
 #define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for one x row (see tile1_avx2) */
 #define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
 
@@ -195,13 +195,13 @@ static inline float sum8(__m256 v) {
  * meets MR rows and each x vector NR weight rows from registers: one weight row at a time
  * loaded x once per FMA and, from 8 rows on, streamed x from L2 for every weight row (the FMA
  * units two thirds idle; tiles: 1.3-1.7x at 2-32 rows). Small tiles keep two accumulators per
- * output (low and high halves) so the FMA latency stays hidden. A software prefetch 8 KiB
- * ahead keeps reads in flight across the short runs the MoE kernel streams (64-row chunks):
- * 1.1-1.3x its read rate on an AMD EPYC (Zen 3) VM; prefetches past the end of a pool do not
- * fault. Inlined with constant MR, NR (tiles_avx2). */
+ * output (low and high halves) so the FMA latency stays hidden. While it computes, the tile
+ * prefetches `pf_rows` rows (pf, row stride pf_ld) at the column it reads: its share of the
+ * weight rows ahead (tiles_avx2). Inlined with constant MR, NR (tiles_avx2). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, int64_t ldw,
-                             float *out, int64_t ldm, int MR, int NR, int64_t K) {
+                             float *out, int64_t ldm, int MR, int NR, int64_t K,
+                             const uint16_t *pf, int pf_rows, int64_t pf_ld) {
     const int chains = MR * NR <= 4 ? 2 : 1;
     __m256 acc[3][3][2];
     for (int m = 0; m < MR; m++)
@@ -211,8 +211,8 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m256 x[3];
-        for (int n = 0; n < NR; n++)
-            _mm_prefetch((const char *)(w + n * ldw + k + PREFETCH_AHEAD), _MM_HINT_T0);
+        for (int r = 0; r < pf_rows; r++)
+            _mm_prefetch((const char *)(pf + r * pf_ld + k), _MM_HINT_T0);
         for (int m = 0; m < MR; m++)
             x[m] = _mm256_loadu_ps(xf + m * ldx + k);
         for (int n = 0; n < NR; n++) {
@@ -281,29 +281,45 @@ static inline void tile1_avx2(const float *xf, const uint16_t *w, float *out, in
 /* out[m * ldm + n] = x_m . w_n for all M x rows (widened, as tile_avx2) and N weight rows:
  * three weight rows at a time (read from memory once, then from L1 for every x row); one
  * at a time for a single x row, which gains nothing from tiles and streams memory best in
- * one line (three rows at once: 0.9-1.0x at one x row) */
+ * one line (three rows at once: 0.9-1.0x at one x row).
+ *
+ * Each weight row is prefetched 8 KiB ahead of the column a tile reads: a software prefetch
+ * keeps reads in flight across the short runs the MoE kernel streams (64-row chunks), 1.1-1.3x
+ * its read rate on an AMD EPYC (Zen 3) VM. Only a triple's first tile reads its rows from
+ * memory; the tiles after it read them from cache. So with several tiles a triple, each
+ * prefetches a share of the rows (tile j rows j, j + tiles, ...), rather than every tile all
+ * three: prefetches the first tile had already issued asked memory for nothing, and the next
+ * rows came in a burst. At 8 x rows the GEMV read 1.12-1.27x faster, at 4 and 16 0.97-1.17x,
+ * at 32 (bound by the multiply-adds) and in the MoE layer (mostly one tile) 0.97-1.06x
+ * (bench/results/native_ab_avx2_pfshare-{1,2}.md, AMD EPYC Zen 3). Prefetches past the end of
+ * a pool do not fault. */
 __attribute__((target("avx2,fma")))
 static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w,
                               int64_t ldw, int64_t N, float *out, int64_t ldm, int64_t K) {
-    int64_t step = M == 1 ? 1 : 3;
+    const int step = M == 1 ? 1 : 3;
+    const int tiles = (int)((M + 2) / 3);          /* a triple's tiles (four rows: two of 2) */
     for (int64_t n = 0; n < N; n += step) {
-        int nr = N - n < step ? (int)(N - n) : (int)step;
-        for (int64_t m = 0; m < M;) {
+        int nr = N - n < step ? (int)(N - n) : step;
+        int j = 0;
+        for (int64_t m = 0; m < M; j++) {
             /* (four rows left: two and two, not three and a lone one) */
             int mr = M - m == 4 ? 2 : M - m < 3 ? (int)(M - m) : 3;
             const float *xm = xf + m * ldx;
             const uint16_t *wn = w + n * ldw;
             float *o = out + m * ldm + n;
+            const uint16_t *pf = wn + j * ldw + PREFETCH_AHEAD;
+            int pf_rows = j < nr ? (nr - j + tiles - 1) / tiles : 0;
+            int64_t pf_ld = tiles * ldw;
             switch (mr * 4 + nr) {     /* constant tile shapes: fully unrolled, in registers */
             case 5: tile1_avx2(xm, wn, o, K); break;
-            case 6: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 2, K); break;
-            case 7: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 3, K); break;
-            case 9: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 1, K); break;
-            case 10: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 2, K); break;
-            case 11: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 3, K); break;
-            case 13: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 1, K); break;
-            case 14: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 2, K); break;
-            default: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 3, K); break;
+            case 6: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 2, K, pf, pf_rows, pf_ld); break;
+            case 7: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 3, K, pf, pf_rows, pf_ld); break;
+            case 9: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 1, K, pf, pf_rows, pf_ld); break;
+            case 10: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 2, K, pf, pf_rows, pf_ld); break;
+            case 11: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 3, K, pf, pf_rows, pf_ld); break;
+            case 13: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 1, K, pf, pf_rows, pf_ld); break;
+            case 14: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 2, K, pf, pf_rows, pf_ld); break;
+            default: tile_avx2(xm, ldx, wn, ldw, o, ldm, 3, 3, K, pf, pf_rows, pf_ld); break;
             }
             m += mr;
         }
