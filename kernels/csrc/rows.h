@@ -13,7 +13,8 @@
 #define MAX_ROWS 8
 #define TILE_MIN_ROWS 5        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
 #define PREFETCH_AHEAD 4096     /* tiles: prefetch 8 KiB of weights ahead (tiles_avx2, tile_avx512) */
-#define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for one x row (see tile1_avx2) */
+#define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for a row at a time (see row_tile_avx2) */
+#define ROW_TILE_ROWS 2         /* AVX2: up to this many x rows (<= 4), a weight row at a time */
 #define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
 
 /* one weight row against M x rows; K a multiple of 32. One x row (every weight read of a
@@ -241,47 +242,66 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
         }
 }
 
-/* tile_avx2 for one x row and one weight row (batch-1 decode's every weight read), 32 values
- * an iteration into four chains, prefetching 1 KiB ahead. 8 KiB ahead, as the multi-row tiles
- * do, read 21-23 GB/s where 1 KiB read 26-30 over 1 MiB matrices on 4 KiB pages (AMD EPYC
- * VM, two threads, alternated; 512 B: 25-28.5, 2 KiB: 22-26); in native_ab's two runs the
- * one-row GEMV gained 1.06-1.28x and a MoE layer at one token 1.10-1.11x. The multi-row tiles
- * keep 8 KiB: 1 KiB there read 0.71-0.84x. */
+/* one weight row against MR <= ROW_TILE_ROWS x rows (widened, as tile_avx2): 32 values an
+ * iteration, prefetching 1 KiB ahead. One x row (batch-1 decode's every weight read) runs
+ * four chains of FMAs, two x rows four each, more two each. 8 KiB ahead, as the multi-row
+ * tiles do, read 21-23 GB/s where 1 KiB read 26-30 over 1 MiB matrices on 4 KiB pages (AMD
+ * EPYC VM, two threads, alternated; 512 B: 25-28.5, 2 KiB: 22-26); in native_ab's two runs the
+ * one-row GEMV gained 1.06-1.28x and a MoE layer at one token 1.10-1.11x. The multi-row
+ * tiles keep 8 KiB: 1 KiB there read 0.71-0.84x. Inlined with constant MR (tiles_avx2). */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void tile1_avx2(const float *xf, const uint16_t *w, float *out, int64_t K) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, float *out,
+                                 int64_t ldm, int MR, int64_t K) {
+    const int chains = MR <= 2 ? 4 : 2;
+    __m256 acc[4][4];                              /* ROW_TILE_ROWS <= 4 */
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < 4; c++)
+            acc[m][c] = _mm256_setzero_ps();
     const __m256i zero = _mm256_setzero_si256();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         _mm_prefetch((const char *)(w + k + PREFETCH_AHEAD_ROW), _MM_HINT_T0);
         __m256i bits0 = _mm256_loadu_si256((const __m256i *)(w + k));
         __m256i bits1 = _mm256_loadu_si256((const __m256i *)(w + k + 16));
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k),
-                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits0)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 8),
-                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits0)), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 16),
-                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits1)), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 24),
-                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits1)), acc3);
+        __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits0));   /* avx2_lane */
+        __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits0));
+        __m256 w2 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits1));
+        __m256 w3 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits1));
+        for (int m = 0; m < MR; m++) {
+            const float *x = xf + m * ldx + k;
+            acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, acc[m][1]);
+            acc[m][2 % chains] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, acc[m][2 % chains]);
+            acc[m][3 % chains] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, acc[m][3 % chains]);
+        }
     }
     for (; k + 16 <= K; k += 16) {
         __m256i bits = _mm256_loadu_si256((const __m256i *)(w + k));
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k),
-                               _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 8),
-                               _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits)), acc1);
+        __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));
+        __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
+        for (int m = 0; m < MR; m++) {
+            acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * ldx + k), lo, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * ldx + k + 8), hi, acc[m][1]);
+        }
     }
-    float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
-    for (; k < K; k++)
-        sum += xf[k] * bf16_to_f32(w[k]);
-    *out = sum;
+    for (int m = 0; m < MR; m++) {
+        __m256 total = _mm256_add_ps(acc[m][0], acc[m][1]);
+        if (chains == 4)
+            total = _mm256_add_ps(total, _mm256_add_ps(acc[m][2], acc[m][3]));
+        float sum = sum8(total);
+        for (int64_t j = k; j < K; j++)
+            sum += xf[m * ldx + j] * bf16_to_f32(w[j]);
+        out[m * ldm] = sum;
+    }
 }
 
 /* out[m * ldm + n] = x_m . w_n for all M x rows (widened, as tile_avx2) and N weight rows:
  * three weight rows at a time (read from memory once, then from L1 for every x row); one
- * at a time for a single x row, which gains nothing from tiles and streams memory best in
- * one line (three rows at once: 0.9-1.0x at one x row).
+ * at a time for one or two x rows (ROW_TILE_ROWS), where the multiply-adds wait on memory
+ * and a single stream reads fastest: three rows at once read 0.9-1.0x at one x row, and at
+ * two the GEMV read 1.05-1.20x and a MoE layer at 32 tokens (a third of whose experts get two
+ * rows) 1.09-1.15x faster one row at a time (bench/results/native_ab_avx2_rowtile2-{1,2}.md;
+ * up to three x rows: MoE 0.95-1.07x, native_ab_avx2_rowtile3-1.md; AMD EPYC Zen 3).
  *
  * Each weight row is prefetched 8 KiB ahead of the column a tile reads: a software prefetch
  * keeps reads in flight across the short runs the MoE kernel streams (64-row chunks), 1.1-1.3x
@@ -296,7 +316,17 @@ static inline void tile1_avx2(const float *xf, const uint16_t *w, float *out, in
 __attribute__((target("avx2,fma")))
 static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w,
                               int64_t ldw, int64_t N, float *out, int64_t ldm, int64_t K) {
-    const int step = M == 1 ? 1 : 3;
+    if (M <= ROW_TILE_ROWS) {
+        for (int64_t n = 0; n < N; n++)
+            switch (M) {
+            case 1: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 1, K); break;
+            case 2: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 2, K); break;
+            case 3: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 3, K); break;
+            default: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 4, K); break;
+            }
+        return;
+    }
+    const int step = 3;
     const int tiles = (int)((M + 2) / 3);          /* a triple's tiles (four rows: two of 2) */
     for (int64_t n = 0; n < N; n += step) {
         int nr = N - n < step ? (int)(N - n) : step;
@@ -311,7 +341,7 @@ static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uin
             int pf_rows = j < nr ? (nr - j + tiles - 1) / tiles : 0;
             int64_t pf_ld = tiles * ldw;
             switch (mr * 4 + nr) {     /* constant tile shapes: fully unrolled, in registers */
-            case 5: tile1_avx2(xm, wn, o, K); break;
+            case 5: row_tile_avx2(xm, ldx, wn, o, ldm, 1, K); break;
             case 6: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 2, K, pf, pf_rows, pf_ld); break;
             case 7: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 3, K, pf, pf_rows, pf_ld); break;
             case 9: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 1, K, pf, pf_rows, pf_ld); break;

@@ -31,8 +31,9 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fast", PATHS)
 # (rows and weight rows past multiples of the AVX2 tiles' 3: 4 and 7 rows end in 2 + 2;
-# 257 and 1030 weight rows: claims of columns, the last one short and not a whole tile)
-@pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (1, 1000, 1024), (3, 257, 96),
+# 257 and 1030 weight rows: claims of columns, the last one short and not a whole tile; one
+# and two rows: a weight row at a time on AVX2)
+@pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (1, 1000, 1024), (2, 70, 160), (3, 257, 96),
                                         (8, 64, 512), (5, 33, 4096), (4, 4, 64),
                                         (7, 11, 192), (32, 50, 256), (32, 1030, 64)])
 def test_gemv_matches_fp32(fast, rows, n, k):
