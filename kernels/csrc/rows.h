@@ -301,7 +301,10 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
  * and a single stream reads fastest: three rows at once read 0.9-1.0x at one x row, and at
  * two the GEMV read 1.05-1.20x and a MoE layer at 32 tokens (a third of whose experts get two
  * rows) 1.09-1.15x faster one row at a time (bench/results/native_ab_avx2_rowtile2-{1,2}.md;
- * up to three x rows: MoE 0.95-1.07x, native_ab_avx2_rowtile3-1.md; AMD EPYC Zen 3).
+ * over eight layers' pools, expert_spells-rowtile2-1.md, 1.03-1.05x at 8 and 32 tokens in
+ * both spells, the A/A control 0.99-1.01x). Up to four x rows (two chains each): the GEMV at
+ * four rows 0.89-0.98x, MoE 1.00-1.03x (native_ab_avx2_rowtile{3,4}-1.md,
+ * expert_spells-rowtile4-1.md); AMD EPYC Zen 3.
  *
  * Each weight row is prefetched 8 KiB ahead of the column a tile reads: a software prefetch
  * keeps reads in flight across the short runs the MoE kernel streams (64-row chunks), 1.1-1.3x
