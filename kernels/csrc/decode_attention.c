@@ -97,18 +97,21 @@ static inline __attribute__((always_inline)) void block_dot_avx2_heads(
     }
 }
 
-__attribute__((target("avx2,fma")))
-static void block_dot_avx2(const float *qf, int group, int64_t dq, const uint16_t *keys,
-                           int64_t k_stride, const int64_t *slots, int n, int64_t d,
-                           float *scores, int64_t stride, int add) {
-    int h0 = 0;
-    for (; h0 + 4 <= group; h0 += 4)
-        block_dot_avx2_heads(qf + h0 * dq, 4, dq, keys, k_stride, slots, n, d,
-                             scores + h0 * stride, stride, add);
-    for (; h0 < group; h0++)
-        block_dot_avx2_heads(qf + h0 * dq, 1, dq, keys, k_stride, slots, n, d,
-                             scores + h0 * stride, stride, add);
-}
+/* A group of query heads four at a time while four are left (a constant count, so the
+ * accumulators stay in registers), then one by one */
+#define HEADS_BY_FOUR(name, attributes, heads_dot)                                             \
+    attributes static void name(const float *qf, int group, int64_t dq, const uint16_t *keys, \
+                                int64_t k_stride, const int64_t *slots, int n, int64_t d,     \
+                                float *scores, int64_t stride, int add) {                     \
+        int h0 = 0;                                                                           \
+        for (; h0 + 4 <= group; h0 += 4)                                                      \
+            heads_dot(qf + h0 * dq, 4, dq, keys, k_stride, slots, n, d, scores + h0 * stride, \
+                      stride, add);                                                           \
+        for (; h0 < group; h0++)                                                              \
+            heads_dot(qf + h0 * dq, 1, dq, keys, k_stride, slots, n, d, scores + h0 * stride, \
+                      stride, add);                                                           \
+    }
+HEADS_BY_FOUR(block_dot_avx2, __attribute__((target("avx2,fma"))), block_dot_avx2_heads)
 
 /* 16 lanes, a block of keys at a time: each key's products for up to four heads summed in
  * registers (a vector a head), parked, and the block's vectors reduced together by
@@ -152,18 +155,8 @@ static inline __attribute__((always_inline)) void block_dot_avx512_heads(
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static void block_dot_avx512(const float *qf, int group, int64_t dq, const uint16_t *keys,
-                             int64_t k_stride, const int64_t *slots, int n, int64_t d,
-                             float *scores, int64_t stride, int add) {
-    int h0 = 0;
-    for (; h0 + 4 <= group; h0 += 4)
-        block_dot_avx512_heads(qf + h0 * dq, 4, dq, keys, k_stride, slots, n, d,
-                               scores + h0 * stride, stride, add);
-    for (; h0 < group; h0++)
-        block_dot_avx512_heads(qf + h0 * dq, 1, dq, keys, k_stride, slots, n, d,
-                               scores + h0 * stride, stride, add);
-}
+HEADS_BY_FOUR(block_dot_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))),
+              block_dot_avx512_heads)
 
 /* The softmax of a head's scores (softmax.h's softmax_plain for any CPU), 8 or 16 at a time
  * with vexp.h's exp. */
