@@ -75,8 +75,8 @@ static int64_t tile_columns(int64_t M, int64_t N, int64_t step) {
 static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
                  int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out,
                  int isa) {
-    /* tiles of weight rows against every x row: AVX2's three (widened x), AVX512-BF16's four
-     * from TILE_MIN_ROWS x rows on */
+    /* tiles of weight rows against every x row: AVX2's (widened x: one weight row at a time
+     * for one or two x rows, three from three), AVX512-BF16's four from TILE_MIN_ROWS x rows */
     if (isa == ISA_AVX2 || (isa == ISA_AVX512BF16 && M >= TILE_MIN_ROWS)) {
         int64_t step = isa == ISA_AVX2 ? 3 : 4, cols = tile_columns(M, N, step);
         #pragma omp parallel for schedule(static)

@@ -143,9 +143,9 @@ static void pool_rows_dot(const uint16_t *x, int64_t first, int64_t count, pool_
 }
 
 /* weight rows [n0, n1) of slot s against `count` x rows from `first`, their sums at
- * out[0 .. n1 - n0) of each x row (row stride ldy): bf16 pools on AVX2 as tiles of three
- * weight rows against up to three x rows (tiles_avx2), integer pools against the quantized
- * `qx` (integer_rows), the rest row by row (pool_rows_dot) */
+ * out[0 .. n1 - n0) of each x row (row stride ldy): bf16 pools on AVX2 by tiles_avx2 (a weight
+ * row at a time for one or two x rows, tiles of three from three), integer pools against the
+ * quantized `qx` (integer_rows), the rest row by row (pool_rows_dot) */
 static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *qx,
                             int64_t first, int64_t count, pool_t p, int64_t s, int64_t n0,
                             int64_t n1, float *out, int64_t ldy, int64_t K, int isa) {

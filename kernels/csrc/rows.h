@@ -12,9 +12,10 @@
 
 #define MAX_ROWS 8
 #define TILE_MIN_ROWS 5        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
-#define PREFETCH_AHEAD 4096     /* tiles: prefetch 8 KiB of weights ahead (tiles_avx2, tile_avx512) */
+#define PREFETCH_AHEAD 4096     /* tiles: prefetch weights 8 KiB ahead (tiles_avx2, tile_avx512) */
 #define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for a row at a time (see row_tile_avx2) */
 #define ROW_TILE_ROWS 2         /* AVX2: up to this many x rows (<= 4), a weight row at a time */
+_Static_assert(ROW_TILE_ROWS <= 4, "row_tile_avx2 takes up to four x rows");
 #define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
 
 /* one weight row against M x rows; K a multiple of 32. One x row (every weight read of a
@@ -90,7 +91,7 @@ static inline __m512 sum_each16(const __m512 *v) {
 }
 
 /* eight vectors' sums as one vector: out[j] = the sum of v[j]'s lanes (AVX2's sum_each16:
- * 11 instructions for eight, where sum8 is a chain of 6 for each) */
+ * 9 instructions for eight, where sum8 is a chain of 6 for each) */
 __attribute__((target("avx2")))
 static inline __m256 sum_each8(const __m256 *v) {
     /* per 128-bit lane: pairs, then quads of v0 .. v3 (ab) and of v4 .. v7 (cd) */
@@ -325,8 +326,8 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
  * three: prefetches the first tile had already issued asked memory for nothing, and the next
  * rows came in a burst. At 8 x rows the GEMV read 1.12-1.27x faster, at 4 and 16 0.97-1.17x,
  * at 32 (bound by the multiply-adds) and in the MoE layer (mostly one tile) 0.97-1.06x
- * (bench/results/native_ab_avx2_pfshare-{1,2}.md, AMD EPYC Zen 3). Prefetches past the end of
- * a pool do not fault. */
+ * (bench/results/native_ab_avx2_pfshare-{1,2}.md, AMD EPYC Zen 3; rows of 1024 values, the
+ * bench model's; longer rows not measured). Prefetches past the end of a pool do not fault. */
 __attribute__((target("avx2,fma")))
 static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w,
                               int64_t ldw, int64_t N, float *out, int64_t ldm, int64_t K) {
@@ -342,6 +343,9 @@ static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uin
     }
     const int step = 3;
     const int tiles = (int)((M + 2) / 3);          /* a triple's tiles (four rows: two of 2) */
+    /* 8 KiB ahead, or where rows are longer the next triple's rows: never the rows a tile is
+     * reading (at 4096 values a row, 8 KiB ahead was the next row, read in the same tile) */
+    const int64_t ahead = 3 * ldw > PREFETCH_AHEAD ? 3 * ldw : PREFETCH_AHEAD;
     for (int64_t n = 0; n < N; n += step) {
         int nr = N - n < step ? (int)(N - n) : step;
         int j = 0;
@@ -351,13 +355,12 @@ static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uin
             const float *xm = xf + m * ldx;
             const uint16_t *wn = w + n * ldw;
             float *o = out + m * ldm + n;
-            const uint16_t *pf = wn + j * ldw + PREFETCH_AHEAD;
+            const uint16_t *pf = wn + j * ldw + ahead;
             int pf_rows = j < nr ? (nr - j + tiles - 1) / tiles : 0;
             int64_t pf_ld = tiles * ldw;
-            switch (mr * 4 + nr) {     /* constant tile shapes: fully unrolled, in registers */
-            case 5: row_tile_avx2(xm, ldx, wn, o, ldm, 1, K); break;
-            case 6: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 2, K, pf, pf_rows, pf_ld); break;
-            case 7: tile_avx2(xm, ldx, wn, ldw, o, ldm, 1, 3, K, pf, pf_rows, pf_ld); break;
+            /* constant tile shapes, fully unrolled, in registers; from three x rows on, a lone
+             * row is never left (four left are two and two) */
+            switch (mr * 4 + nr) {
             case 9: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 1, K, pf, pf_rows, pf_ld); break;
             case 10: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 2, K, pf, pf_rows, pf_ld); break;
             case 11: tile_avx2(xm, ldx, wn, ldw, o, ldm, 2, 3, K, pf, pf_rows, pf_ld); break;

@@ -209,6 +209,7 @@ def test_decode_attention_reads_keys_in_place(fast, window, dim, heads):
     # enough tokens for a task to take a token's every KV head (4 a thread), whatever the CPU
     num_tokens = 4 * (os.cpu_count() or 1) + 1
     lengths = torch.randint(1, 18, (num_tokens,), generator=torch.Generator().manual_seed(15))
+    lengths[0] = 41                 # blocks of 16 keys, and of 8 (AVX2), then a part of one
     starts = lengths.cumsum(0) - lengths
     num_slots = 2 * int(lengths.sum())
     keys, values = _bf16(num_slots, kv_heads, dim, seed=12), _bf16(num_slots, kv_heads, dim,
@@ -258,7 +259,8 @@ def test_attend_takes_the_native_path_for_decode_and_agrees_with_torch():
 
 
 @pytest.mark.parametrize("fast", PATHS)
-def test_mla_absorbed_decode_equals_attending_over_expanded_keys(fast):
+@pytest.mark.parametrize("heads", [4, 5])           # a group of four, and of four + one
+def test_mla_absorbed_decode_equals_attending_over_expanded_keys(fast, heads):
     """MLA decode reading the cached latents in place (kv_b folded into the query and the
     output) against the expanded per-head keys and values the reference builds."""
     from functools import partial
@@ -272,7 +274,6 @@ def test_mla_absorbed_decode_equals_attending_over_expanded_keys(fast):
     # (a rotary part of 12: the vector loops' tail; 21 keys: more than one block of 16)
     mla = MLASpec(None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=12,
                   v_head_dim=32, softmax_scale=44 ** -0.5)
-    heads = 4
     store = KVStore(1, 1, 64, torch.bfloat16, torch.device("cpu"), block_size=4, value_dim=12)
     store.ensure_blocks(8)
     latents, rope_keys = store.rows(0)
