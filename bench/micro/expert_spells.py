@@ -45,7 +45,15 @@ def main() -> None:
     ap.add_argument("--name", default="expert_spells")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    folder = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as folder:      # the loaded builds outlive their files
+        lines = _measure(args, folder)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _measure(args: argparse.Namespace, folder: str) -> list[str]:
+    """The rounds, until `args.seconds` have passed: the report's lines."""
     base_path = base_build(args.base, " ".join(native_build.TARGET_FLAGS), folder)
     if base_path is None or native.kernels() is None:
         raise SystemExit("the native kernels could not be built here")
@@ -60,13 +68,14 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     calls = {t: routed_call(t, generator) for t in tokens}
 
+    expert_bytes = (pools[0][0][0].numel() + pools[0][1][0].numel()) * 2
+
     def rate(lib: native.NativeKernels, t: int) -> float:
         runs, rows, weights, scratch = calls[t]
         start = time.perf_counter()
         for w13, w2 in pools:
             lib.moe_experts(rows, w13, w2, runs, weights, scratch)
-        return len(runs) * LAYERS * (w13[0].numel() + w2[0].numel()) * 2 / (
-            time.perf_counter() - start) / 1e9
+        return len(runs) * LAYERS * expert_bytes / (time.perf_counter() - start) / 1e9
 
     probe, ratios = ReadRates(), defaultdict(list)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -101,9 +110,7 @@ def main() -> None:
                 lines.append(f"| {spell} | {t} | {len(new)} | {statistics.median(new):.3f} | "
                              f"{statistics.median(ratios[spell, t, 'control']):.3f} | "
                              f"{statistics.median(ratios[spell, t, 'stream']):.3f} |")
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

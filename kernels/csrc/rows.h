@@ -14,8 +14,6 @@
 #define TILE_MIN_ROWS 5        /* AVX512-BF16: x rows from which tiles_avx512 beats row_avx512 */
 #define PREFETCH_AHEAD 4096     /* tiles: prefetch weights 8 KiB ahead (tiles_avx2, tile_avx512) */
 #define PREFETCH_AHEAD_ROW 512  /* ... 1 KiB ahead for a row at a time (see row_tile_avx2) */
-#define ROW_TILE_ROWS 2         /* AVX2: up to this many x rows (<= 4), a weight row at a time */
-_Static_assert(ROW_TILE_ROWS <= 4, "row_tile_avx2 takes up to four x rows");
 #define PREFETCH_AHEAD_ONE 2048 /* AVX512-BF16 rows: 4 KiB ahead (row_avx512) */
 
 /* one weight row against M x rows; K a multiple of 32. One x row (every weight read of a
@@ -254,9 +252,9 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
         }
 }
 
-/* one weight row against MR <= ROW_TILE_ROWS x rows (widened, as tile_avx2): 32 values an
- * iteration, prefetching 1 KiB ahead. One x row (batch-1 decode's every weight read) runs
- * four chains of FMAs, two x rows four each, more two each. 8 KiB ahead, as the multi-row
+/* one weight row against MR <= 2 x rows (widened, as tile_avx2): 32 values an iteration into
+ * four chains of FMAs a row, prefetching 1 KiB ahead. One x row is batch-1 decode's every
+ * weight read. 8 KiB ahead, as the multi-row
  * tiles do, read 21-23 GB/s where 1 KiB read 26-30 over 1 MiB matrices on 4 KiB pages (AMD
  * EPYC VM, two threads, alternated; 512 B: 25-28.5, 2 KiB: 22-26); in native_ab's two runs the
  * one-row GEMV gained 1.06-1.28x and a MoE layer at one token 1.10-1.11x. The multi-row
@@ -264,8 +262,7 @@ static inline void tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, in
 __attribute__((target("avx2,fma"), always_inline))
 static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w, float *out,
                                  int64_t ldm, int MR, int64_t K) {
-    const int chains = MR <= 2 ? 4 : 2;
-    __m256 acc[4][4];                              /* ROW_TILE_ROWS <= 4 */
+    __m256 acc[2][4];
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < 4; c++)
             acc[m][c] = _mm256_setzero_ps();
@@ -283,8 +280,8 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
             const float *x = xf + m * ldx + k;
             acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, acc[m][1]);
-            acc[m][2 % chains] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, acc[m][2 % chains]);
-            acc[m][3 % chains] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, acc[m][3 % chains]);
+            acc[m][2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, acc[m][2]);
+            acc[m][3] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, acc[m][3]);
         }
     }
     for (; k + 16 <= K; k += 16) {
@@ -297,10 +294,8 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
         }
     }
     for (int m = 0; m < MR; m++) {
-        __m256 total = _mm256_add_ps(acc[m][0], acc[m][1]);
-        if (chains == 4)
-            total = _mm256_add_ps(total, _mm256_add_ps(acc[m][2], acc[m][3]));
-        float sum = sum8(total);
+        float sum = sum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                                       _mm256_add_ps(acc[m][2], acc[m][3])));
         for (int64_t j = k; j < K; j++)
             sum += xf[m * ldx + j] * bf16_to_f32(w[j]);
         out[m * ldm] = sum;
@@ -309,7 +304,7 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
 
 /* out[m * ldm + n] = x_m . w_n for all M x rows (widened, as tile_avx2) and N weight rows:
  * three weight rows at a time (read from memory once, then from L1 for every x row); one
- * at a time for one or two x rows (ROW_TILE_ROWS), where the multiply-adds wait on memory
+ * at a time for one or two x rows, where the multiply-adds wait on memory
  * and a single stream reads fastest: three rows at once read 0.9-1.0x at one x row, and at
  * two the GEMV read 1.05-1.20x and a MoE layer at 32 tokens (a third of whose experts get two
  * rows) 1.09-1.15x faster one row at a time (bench/results/native_ab_avx2_rowtile2-{1,2}.md;
@@ -331,14 +326,12 @@ static inline void row_tile_avx2(const float *xf, int64_t ldx, const uint16_t *w
 __attribute__((target("avx2,fma")))
 static inline void tiles_avx2(const float *xf, int64_t ldx, int64_t M, const uint16_t *w,
                               int64_t ldw, int64_t N, float *out, int64_t ldm, int64_t K) {
-    if (M <= ROW_TILE_ROWS) {
+    if (M <= 2) {              /* constant row counts: the accumulators stay in registers */
         for (int64_t n = 0; n < N; n++)
-            switch (M) {
-            case 1: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 1, K); break;
-            case 2: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 2, K); break;
-            case 3: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 3, K); break;
-            default: row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 4, K); break;
-            }
+            if (M == 1)
+                row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 1, K);
+            else
+                row_tile_avx2(xf, ldx, w + n * ldw, out + n, ldm, 2, K);
         return;
     }
     const int step = 3;
