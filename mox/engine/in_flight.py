@@ -52,6 +52,7 @@ class StepInfo:
     misses: int = 0
     waves: int = 0
     bytes_read: int = 0
+    capture_seconds: float = 0.0   # capturing the model's decode graphs (GPU)
 
 
 @dataclass
@@ -60,7 +61,7 @@ class InFlight:
     steps: Generator[ReadsPending | None, None, list[list[SampledToken]]]
     info: StepInfo
     pool: ModelPool
-    pager_before: tuple[float, int, int, int] = field(init=False)
+    pager_before: tuple[float, int, int, int, float] = field(init=False)
     pending: ReadsPending | None = None
     aborted: list[Sequence] = field(default_factory=list)   # ended; KV freed when it ends
     cpu_seconds: float = 0.0
@@ -100,12 +101,13 @@ class InFlight:
     def finished_info(self, num_steps: int = 1) -> StepInfo:
         """The step's info with what it took (call once it ended, or failed), its tokens
         those of all `num_steps` decode steps it ran."""
-        stall, misses, waves, nbytes = (now - then for now, then in
-                                        zip(self.pool.step_figures(), self.pager_before))
+        stall, misses, waves, nbytes, capture = (
+            now - then for now, then in zip(self.pool.step_figures(), self.pager_before))
         return replace(self.info, num_tokens=self.info.num_tokens * num_steps,
                        seconds=time.monotonic() - self.info.started,
                        cpu_seconds=self.cpu_seconds, parked_seconds=self.parked_seconds,
-                       stall_seconds=stall, misses=misses, waves=waves, bytes_read=nbytes)
+                       stall_seconds=stall, misses=misses, waves=waves, bytes_read=nbytes,
+                       capture_seconds=capture)
 
     def close(self) -> None:
         """Drop the step (it has not advanced its sequences; its leases end)."""

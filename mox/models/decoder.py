@@ -23,6 +23,7 @@ from mox.models.attention import (
     native_layer,
     takes_block,
 )
+from mox.models.decode_graphs import DecodeGraphs, GraphCapture
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
@@ -40,6 +41,7 @@ from mox.models.moe import (
 )
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
+from mox.pager.model_pool import Hold
 
 # A step of at most this many tokens (decode, a short prefill) may read experts in place from
 # the host cache: a long prefill would read each mapped expert over the link once per block of
@@ -86,6 +88,7 @@ class MoEDecoder:
         self._every_layer_native: bool | None = None                   # see _chains
         self._step: tuple[tuple, StepLayers] | None = None             # see _step_layers
         self._tail = step_tail(final_norm, lm_head, spec.rms_norm_eps)  # see _decode_layers
+        self.graphs: DecodeGraphs | None = None                           # see use_graphs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,6 +146,11 @@ class MoEDecoder:
             yield from self._decode_layers(x, batch, pick)
             return
         if self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
+            if self.graphs is not None and self.graphs.serves(batch):
+                logits = self._graph_step(batch)
+                if logits is not None:
+                    pick(logits)
+                    return
             x = yield from self._table_layers(x, batch)
         else:
             x = yield from self._layer_steps(x, batch, native_block, native_moe)
@@ -246,16 +254,54 @@ class MoEDecoder:
                 used = hold.device_used = torch.zeros(  # (read back even if a layer raises)
                     self.experts.num_moe_layers, self.spec.num_experts, dtype=torch.int32,
                     device=x.device)
-                for i, layer in enumerate(self.layers):
-                    x, h = self._attention_half(i, x, batch)
-                    if isinstance(layer.mlp, MoEWeights):
-                        x = table_moe_block(self.spec, layer.mlp, hold, h, x, used)
-                    else:
-                        x = x + layer.mlp(h)
+                x = self._table_stream(x, batch, hold, used)
         if not hold.table.complete:
             return (yield from self._layer_steps(x, batch, False, False))
         yield None
         return x
+
+    def _table_stream(self, x: torch.Tensor, batch: ForwardBatch, hold: Hold,
+                      used: torch.Tensor) -> torch.Tensor:
+        """The stream `x [T, H]` through every layer, the experts read through `hold.table`
+        (complete) and marked in `used [L, E]`: no host round-trip, so a CUDA graph may
+        record it (mox.models.decode_graphs)."""
+        for i, layer in enumerate(self.layers):
+            x, h = self._attention_half(i, x, batch)
+            if isinstance(layer.mlp, MoEWeights):
+                x = table_moe_block(self.spec, layer.mlp, hold, h, x, used)
+            else:
+                x = x + layer.mlp(h)
+        return x
+
+    def _graph_step(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The decode step replayed from its CUDA graph: its logits `[S, V]`, or None where
+        some expert's bytes are only on disk (the step then pages)."""
+        with self.experts.holding(table=True) as hold:
+            if not hold.table.complete:
+                return None
+            return self.graphs.step(batch, hold)
+
+    def _graph_forward(self, batch: ForwardBatch, hold: Hold,
+                       used: torch.Tensor) -> torch.Tensor:
+        """A decode step through the table from token ids to logits `[T, V]`: what a graph
+        records."""
+        x = F.embedding(batch.input_ids, self.embed)
+        return self._logits(self._table_stream(x, batch, hold, used), batch)
+
+    def use_graphs(self, capture: GraphCapture | None) -> None:
+        """Decode steps through the table replayed as graphs captured by `capture` (None:
+        run eagerly). Only where attention reads the KV store in place (the Triton decode
+        kernel): MLA's expansion and GPT-OSS's sinks gather keys in shapes set on the host."""
+        self.drop_graphs()
+        in_place = self.spec.mla is None and all(layer.attention.sinks is None
+                                                 for layer in self.layers)
+        self.graphs = (DecodeGraphs(capture, self._graph_forward, self.rotary, self.experts)
+                       if capture is not None and in_place else None)
+
+    def drop_graphs(self) -> None:
+        """The captured graphs' memory back (parking; the next step captures anew)."""
+        if self.graphs is not None:
+            self.graphs.drop()
 
     def _chains(self) -> bool:
         """Whether a CPU decode step may run its layers in one native call: each layer's

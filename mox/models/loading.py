@@ -9,6 +9,7 @@ from mox.loaders import Checkpoint, TensorInfo
 from mox.loaders.spec import QK_NORM_NONE, ModelSpec
 from mox.loaders.stream import ByteRange, StreamingReader
 from mox.models.attention import AttentionWeights
+from mox.models.decode_graphs import default_capture
 from mox.models.decoder import LayerWeights, MoEDecoder
 from mox.models.layers import MLPWeights
 from mox.models.mla import MLAWeights
@@ -94,7 +95,9 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
             attention=_attention_weights(spec, read, f"{prefix}.self_attn"),
             mlp=mlp))
     final_norm = read("model.norm.weight")
-    return MoEDecoder(spec, embed, layers, final_norm, lm_head, experts)
+    model = MoEDecoder(spec, embed, layers, final_norm, lm_head, experts)
+    model.use_graphs(default_capture(model.device))     # (GPUs: decode steps as CUDA graphs)
+    return model
 
 
 def _attention_weights(spec: ModelSpec, read: _DenseReader,

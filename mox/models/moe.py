@@ -168,7 +168,7 @@ def table_moe_block(spec: ModelSpec, w: MoEWeights, hold: Hold, h: torch.Tensor,
     out = fused_moe(h, hold.w13, hold.w2, weights, ids, table.row_of[w.moe_layer],
                     spec.activation, backend="triton", out_dtype=torch.float32,
                     scales=hold.scales, rows=table.rows)
-    used[w.moe_layer, ids.reshape(-1).long()] = 1
+    used[w.moe_layer].index_fill_(0, ids.reshape(-1).long(), 1)   # (no host value: graphs)
     return x + _add_shared(w, h, out.to(h.dtype))        # rounded once, as the waves' sum
 
 

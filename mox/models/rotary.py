@@ -58,12 +58,21 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)                             # [P, r]
         self.cos, self.sin = emb.cos() * self.scale, emb.sin() * self.scale
 
+    @property
+    def num_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def reserve(self, num_positions: int) -> None:
+        """Tables for at least positions [0, num_positions) (a CUDA graph reads them where
+        they are: they grow before a capture, never inside one)."""
+        if num_positions > self.cos.shape[0]:
+            self._grow(num_positions)
+
     def tables(self, positions: torch.Tensor,
                max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[T, 1, r]` for token positions `[T]` (all below `max_position`); a
         batch computes them once and every layer reuses them."""
-        if max_position >= self.cos.shape[0]:
-            self._grow(max_position + 1)
+        self.reserve(max_position + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor,

@@ -126,11 +126,18 @@ class ModelPool(PagedPool):
                               self.miss_curve.recent_accesses(now),
                               c.bytes_read_disk + c.bytes_read_host, c.read_seconds)
 
-    def step_figures(self) -> tuple[float, int, int, int]:
-        """(stall seconds, misses, waves, bytes read) so far: a step's are the difference."""
+    def step_figures(self) -> tuple[float, int, int, int, float]:
+        """(stall seconds, misses, waves, bytes read, graph capture seconds) so far: a step's
+        are the difference."""
         with self._lock:
             c = self.counters
-            return (c.stall_seconds, c.misses, c.waves, c.bytes_read_disk + c.bytes_read_host)
+            return (c.stall_seconds, c.misses, c.waves, c.bytes_read_disk + c.bytes_read_host,
+                    c.graph_capture_seconds)
+
+    def count_graph_capture(self, seconds: float) -> None:
+        with self._lock:
+            self.counters.graph_captures += 1
+            self.counters.graph_capture_seconds += seconds
 
     def resized_ago(self) -> float:
         """Seconds since the model's slot count last changed."""

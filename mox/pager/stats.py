@@ -30,6 +30,10 @@ class PagerStats:
     mapped_reads: int = 0              # misses computed in place from the host cache (GPU)
     waves: int = 0
     peak_resident_bytes: int = 0
+    # the model's decode steps captured as CUDA graphs (mox.models.decode_graphs): a capture
+    # runs when a batch size is first met and again after the pools or the KV store moved
+    graph_captures: int = 0
+    graph_capture_seconds: float = 0.0
     # reads by duration: [i] counts reads of at most PAGE_IN_BUCKETS[i] s, the last any longer
     page_in_counts: list[int] = field(default_factory=lambda: [0] * (len(PAGE_IN_BUCKETS) + 1))
 

@@ -280,7 +280,7 @@ class Router:
             step.seconds, step.cpu_seconds, step.stall_seconds, step.misses, step.waves,
             step.bytes_read, sum(self.has_requests(n) for n in self.models if n != step.model),
             step.parked_seconds, model.pool.num_slots if model.pool else 0,
-            model.turn_run_slots))
+            model.turn_run_slots, step.capture_seconds))
 
     def _interrupted(self) -> bool:
         """The engine's `interrupt`: something waits that a run of decode steps delays."""
@@ -471,6 +471,8 @@ class Router:
         model.draining = False
         self.engine.set_draining(model.name, False)
         self.engine.set_weights(model.name, None)
+        if model.decoder is not None:
+            model.decoder.drop_graphs()          # (their memory back now, not at collection)
         model.decoder, model.state = None, ModelState.COLD
         self.residency.apply({model.name: 0})
         self.timeline.event(ModelEvent("park", self.clock(), model.name, why=why))

@@ -57,6 +57,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     parked_seconds: float = 0.0     # of `seconds`, parked on its reads while others stepped
     slots: int = 0                  # the model's expert slots when the step ended
     run_slots: int = 0              # its run size this turn (mox.router.views; 0: unknown)
+    capture_seconds: float = 0.0    # of `seconds`, capturing decode graphs (GPU)
 
 
 class ModelEvent(msgspec.Struct, omit_defaults=True, gc=False):

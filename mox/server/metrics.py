@@ -58,6 +58,11 @@ _PAGER_COUNTERS = {
                  "Experts read with a cold start's dense weights (its run size)."),
     "mapped_reads": ("mox:expert_mapped_reads_total",
                      "Misses computed in place from pinned host memory (GPU) while they load."),
+    "graph_captures": ("mox:decode_graph_captures_total",
+                       "Decode steps captured as CUDA graphs (a batch size first met, or the "
+                       "pools or KV store moved)."),
+    "graph_capture_seconds": ("mox:decode_graph_capture_seconds_total",
+                              "Seconds spent capturing decode graphs."),
 }
 _PAGER_GAUGES = {
     "resident_bytes": ("mox:resident_expert_bytes", "Expert bytes resident on the device."),

@@ -9,23 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mox import LLM
 from tests.models.decode_batch import decode_batch
 
 
 @pytest.fixture()
-def model(hf_checkpoints):
-    """Tiny Mixtral in fp32, every expert through the host cache once, then a quarter of
-    them in slots."""
-    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
-              host_memory="64MiB")
-    pool = llm.model.experts
-    for moe_layer in range(pool.num_moe_layers):
-        for _ in pool.waves(moe_layer, range(pool.num_experts)):
-            pass
-    pool.resize(max(pool.top_k, pool.max_slots // 4))
-    pool.wait_for_loads()
-    yield llm.model
+def model(mapped_mixtral):
+    return mapped_mixtral
 
 
 def _figures(pool) -> dict:

@@ -1,0 +1,245 @@
+"""Decode steps replayed as CUDA graphs (issue 20): a GPU decode step that reads its experts
+through the pager's table (`MoEDecoder._table_stream`) asks the host nothing between its
+embedding and its logits, so the whole step is captured once per padded batch size and then
+replayed: one launch instead of ~1,000.
+
+- Padding: n sequences run the graph of the smallest capture size B >= n; rows n..B repeat
+  row 0 (its token, position, KV slot and key range), so they write the same K/V to the same
+  slot and route to the same experts: nothing outside the batch's own rows changes, and the
+  experts the step marks used are the batch's.
+- Inputs: a replay reads static buffers; before each, the batch's index tensors and the
+  expert table's rows (`row_of`, the row offsets) are copied into them (device to device).
+- What a graph bakes in: every other address it reads: the expert pools, the KV store, the
+  rotary tables and the buffers' sizes (`_baked`). A step that finds one moved (the pool
+  grew, the KV store was released and allocated again) drops every graph and captures anew;
+  each capture is counted (`PagerStats.graph_captures`, and its seconds in the step's
+  timeline line). Parking the model drops them (`MoEDecoder.drop_graphs`).
+- `GraphCapture` is the mechanism: `CudaGraphCapture` on a GPU; `EagerCapture` on a CPU, where
+  a "replay" runs the step again over the same static buffers, so the CPU suite checks the
+  padding, the buffers and the bookkeeping (with the Triton kernels under the interpreter).
+
+Legend: B padded batch size, n sequences, L MoE layers, E experts, R expert-table rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from mox.kernels import ExpertRows
+from mox.models.forward_batch import ForwardBatch
+from mox.models.kv_store import KVStore
+from mox.models.rotary import Rotary
+from mox.pager import ModelPool
+from mox.pager.expert_table import ExpertMap
+from mox.pager.model_pool import Hold
+
+# Padded batch sizes a graph is captured for (vLLM's are similar): up to the table path's
+# largest decode batch (TABLE_STEP_MAX_TOKENS); a size is captured when a batch first needs it.
+CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+Step = Callable[[], torch.Tensor]
+# the model's step through the table: (batch, hold, used [L, E]) -> logits [T, V] f32
+TableForward = Callable[[ForwardBatch, Hold, torch.Tensor], torch.Tensor]
+
+
+def capture_size(num_tokens: int) -> int | None:
+    """The graph size a batch of `num_tokens` decode rows runs (None: larger than any)."""
+    i = bisect.bisect_left(CAPTURE_SIZES, num_tokens)
+    return CAPTURE_SIZES[i] if i < len(CAPTURE_SIZES) else None
+
+
+class GraphCapture(Protocol):
+    def capture(self, step: Step) -> Step:
+        """`step` recorded; the returned callable replays it (its result: the step's output
+        tensor, rewritten by each replay)."""
+
+    def release(self) -> None:
+        """Every captured graph's memory back."""
+
+
+class EagerCapture:
+    """No graphs (CPUs): `capture` runs the step once, as the GPU's warm-up does, and a replay
+    runs it again over the same static buffers."""
+
+    def capture(self, step: Step) -> Step:
+        step()
+        return step
+
+    def release(self) -> None:
+        pass
+
+
+class CudaGraphCapture:
+    """torch.cuda graphs sharing one memory pool (a model's graphs run one at a time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+
+    def capture(self, step: Step) -> Step:
+        # warm-up on a side stream first: Triton compiles, cuBLAS picks its kernels and
+        # workspaces, and the caching allocator settles before anything is recorded
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self._graphs.append(graph)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+    def release(self) -> None:
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
+
+
+def default_capture(device: torch.device) -> GraphCapture | None:
+    """CUDA graphs on a GPU unless `MOX_CUDA_GRAPHS=0` (the eager path, for comparison)."""
+    if device.type != "cuda" or os.environ.get("MOX_CUDA_GRAPHS", "1") == "0":
+        return None
+    return CudaGraphCapture(device)
+
+
+@dataclass
+class StaticInputs:
+    """What a replay reads that changes from step to step, at the largest capture size."""
+
+    input_ids: torch.Tensor          # [B]
+    positions: torch.Tensor          # [B]
+    slot_mapping: torch.Tensor       # [B]
+    starts: torch.Tensor             # [B] each token's keys in `kv_slots`
+    lengths: torch.Tensor            # [B]
+    kv_slots: torch.Tensor           # [capacity]
+    table: ExpertMap                 # row_of [L, E] and the row offsets [R], static
+    used: torch.Tensor               # [L, E] the experts the step computed (read back)
+
+    @staticmethod
+    def allocate(table: ExpertMap, kv_capacity: int, device: torch.device) -> StaticInputs:
+        def index(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int64, device=device)
+
+        rows = table.rows
+        static_rows = ExpertRows(*(None if t is None else torch.zeros_like(t)
+                                   for t in (rows.w13, rows.w2, rows.s13, rows.s2)),
+                                 aligned=rows.aligned)
+        static = replace(table, row_of=torch.zeros_like(table.row_of), rows=static_rows)
+        largest = CAPTURE_SIZES[-1]
+        return StaticInputs(index(largest), index(largest), index(largest), index(largest),
+                            index(largest), index(kv_capacity), static,
+                            torch.zeros_like(table.row_of))
+
+
+def _load(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
+    """`src [n]` into `dst[:size]`, its rows past n repeating row 0."""
+    n = src.numel()
+    dst[:n].copy_(src)
+    if size > n:
+        dst[n:size].copy_(src[:1].expand(size - n))
+
+
+class DecodeGraphs:
+    """One model's decode graphs, one per capture size it has met (see the module doc)."""
+
+    def __init__(self, capture: GraphCapture, forward: TableForward, rotary: Rotary,
+                 pool: ModelPool) -> None:
+        self.capture, self.forward, self.rotary, self.pool = capture, forward, rotary, pool
+        self._replays: dict[int, Step] = {}
+        self._baked: tuple | None = None
+        self._inputs: StaticInputs | None = None
+        self._hold: Hold | None = None           # the pools and static table the graphs read
+        self._loaded: ExpertMap | None = None    # the table whose rows the buffers hold
+        self._kv_capacity = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes captured now."""
+        return sorted(self._replays)
+
+    def serves(self, batch: ForwardBatch) -> bool:
+        """Whether `step` takes this batch: decode rows (one new token a sequence, every one
+        sampled), few enough for a capture size."""
+        return (batch.key_ranges is not None
+                and batch.logits_indices is None and capture_size(batch.num_tokens) is not None)
+
+    def step(self, batch: ForwardBatch, hold: Hold) -> torch.Tensor:
+        """Logits `[n, V]` f32 of the batch's decode step (callers check `serves`), replayed
+        under `hold` (`holding(table=True)`, its table complete); the experts the step used
+        are left in `hold.device_used`. The logits are the graph's output buffer: read them
+        before the next step."""
+        size = capture_size(batch.num_tokens)
+        self.rotary.reserve(batch.max_position + 1)     # (grown here, not inside a capture)
+        self._kv_capacity = max(self._kv_capacity, batch.kv_slots.numel(),
+                                batch.kv.num_blocks * batch.kv.block_size)
+        baked = _baked(batch, hold, self.rotary, self._kv_capacity)
+        if baked != self._baked:
+            self.drop()
+            self._baked = baked
+            self._inputs = StaticInputs.allocate(hold.table, self._kv_capacity,
+                                                 batch.input_ids.device)
+            self._hold = replace(hold, table=self._inputs.table, used=[], device_used=None)
+        inputs = self._inputs
+        for dst, src in ((inputs.input_ids, batch.input_ids), (inputs.positions, batch.positions),
+                         (inputs.slot_mapping, batch.slot_mapping),
+                         (inputs.starts, batch.key_ranges[0]),
+                         (inputs.lengths, batch.key_ranges[1])):
+            _load(dst, src, size)
+        inputs.kv_slots[:batch.kv_slots.numel()].copy_(batch.kv_slots)
+        if hold.table is not self._loaded:              # (a refresh made a new one)
+            self._loaded = hold.table
+            inputs.table.row_of.copy_(hold.table.row_of)
+            for dst, src in zip(_offsets(inputs.table.rows), _offsets(hold.table.rows)):
+                dst.copy_(src)
+        replay = self._replays.get(size)
+        if replay is None:
+            started = time.perf_counter()
+            replay = self._replays[size] = self.capture.capture(
+                lambda: self._forward(size, batch.kv))
+            self.pool.count_graph_capture(time.perf_counter() - started)
+        hold.device_used = inputs.used
+        return replay()[:batch.num_tokens]
+
+    def _forward(self, size: int, kv: KVStore) -> torch.Tensor:
+        """The step over the static buffers at `size` rows: logits `[B, V]` f32 (what a
+        graph records; a fresh batch each call, as its memos must be recorded too)."""
+        inputs = self._inputs
+        none = inputs.input_ids[:0]                  # (q_seq, kv_seq, kv_pos: unread here)
+        batch = ForwardBatch(inputs.input_ids[:size], inputs.positions[:size], none,
+                             inputs.slot_mapping[:size], inputs.kv_slots, none, none, kv,
+                             max_position=self.rotary.num_positions - 1,
+                             key_ranges=(inputs.starts[:size], inputs.lengths[:size]))
+        inputs.used.zero_()
+        return self.forward(batch, self._hold, inputs.used)
+
+    def drop(self) -> None:
+        """Every graph and its buffers gone (the next step captures anew)."""
+        self._replays.clear()
+        self.capture.release()
+        self._baked = self._inputs = self._hold = self._loaded = None
+
+
+def _offsets(rows: ExpertRows) -> list[torch.Tensor]:
+    return [t for t in (rows.w13, rows.w2, rows.s13, rows.s2) if t is not None]
+
+
+def _baked(batch: ForwardBatch, hold: Hold, rotary: Rotary, kv_capacity: int) -> tuple:
+    """The addresses and sizes a captured step reads besides its static inputs."""
+    kv, rows = batch.kv, hold.table.rows
+    return (tuple(t.data_ptr() for t in (hold.w13, hold.w2, *kv.keys, *kv.values)),
+            None if hold.scales is None else (hold.scales.w13.data_ptr(),
+                                              hold.scales.w2.data_ptr()),
+            hold.table.row_of.shape, rows.num_rows, rows.aligned, kv_capacity,
+            rotary.cos.data_ptr())

@@ -1,0 +1,114 @@
+"""Decode steps replayed as graphs (issue 20), checked on the CPU through `EagerCapture`: the
+padding to capture sizes, the static buffers and the bookkeeping of what a graph bakes in.
+The step is the GPU's: experts through the pager's table (a quarter in slots, the rest read
+in place from the host cache) and attention through the Triton decode kernel, both under the
+interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mox.models.attend as attend
+from mox import LLM
+from mox.models.decode_graphs import CAPTURE_SIZES, EagerCapture, capture_size
+from tests.models.decode_batch import decode_batch
+
+
+@pytest.fixture()
+def model(mapped_mixtral, monkeypatch):
+    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)     # the GPU's attention
+    pool = mapped_mixtral.experts
+    pool.maps_host_experts = True
+    return mapped_mixtral
+
+
+def _store(batch) -> list[torch.Tensor]:
+    return [t.clone() for t in (*batch.kv.keys, *batch.kv.values)]
+
+
+def _captures(pool) -> int:
+    return pool.stats()["graph_captures"]
+
+
+def _used(pool) -> int:
+    """Experts counted as used by steps so far (hits in slots and reads in place)."""
+    stats = pool.stats()
+    return stats["hits"] + stats["mapped_reads"]
+
+
+def test_capture_sizes_cover_each_batch_with_the_least_padding():
+    for n in range(1, CAPTURE_SIZES[-1] + 1):
+        size = capture_size(n)
+        assert size >= n and size in CAPTURE_SIZES
+        assert all(s < n for s in CAPTURE_SIZES if s < size)
+    assert capture_size(CAPTURE_SIZES[-1] + 1) is None
+
+
+def test_a_replayed_step_equals_the_eager_one_and_touches_only_its_own_rows(model):
+    pool = model.experts
+    batch = decode_batch(model, torch.Generator().manual_seed(5))      # 3 sequences
+    before, used = _store(batch), _used(pool)
+    want = model.forward_batch(batch)
+    eager_used = _used(pool) - used
+    eager_store = _store(batch)
+
+    model.use_graphs(EagerCapture())
+    for _ in range(2):
+        used, captures = _used(pool), _captures(pool)
+        got = model.forward_batch(batch)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert got.shape == want.shape                     # the padding row not returned
+        # the padding row repeats row 0: it marks no expert the batch did not route to
+        assert _used(pool) - used == eager_used
+    assert model.graphs.sizes == [4]                       # 3 rows padded to 4
+    assert _captures(pool) == captures                     # the second step replayed
+    # the padding row wrote row 0's K/V to row 0's slot: the store is as the eager step left it
+    for t, eager, old in zip(_store(batch), eager_store, before):
+        torch.testing.assert_close(t, eager, atol=1e-5, rtol=1e-5)
+        changed = (t != old).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+        assert set(changed) <= set(batch.slot_mapping.tolist())
+    assert pool.slot_pool.holds == 0
+    pool.check_integrity()
+
+
+def test_a_moved_kv_store_or_pool_recaptures_and_parking_drops_the_graphs(model):
+    pool = model.experts
+    batch = decode_batch(model, torch.Generator().manual_seed(7))
+    want = model.forward_batch(batch)
+    model.use_graphs(EagerCapture())
+    model.forward_batch(batch)
+    captures = _captures(pool)
+    model.forward_batch(batch)
+    assert _captures(pool) == captures                     # nothing moved: replayed
+    batch.kv.ensure_blocks(2 * batch.kv.num_blocks)        # the store grew
+    torch.testing.assert_close(model.forward_batch(batch), want, atol=1e-4, rtol=1e-4)
+    assert _captures(pool) == captures + 1
+    pool.resize(pool.max_slots)                            # the pools grew
+    pool.wait_for_loads()
+    torch.testing.assert_close(model.forward_batch(batch), want, atol=1e-4, rtol=1e-4)
+    assert _captures(pool) == captures + 2
+    assert pool.stats()["graph_capture_seconds"] > 0
+    model.drop_graphs()
+    assert model.graphs.sizes == []
+
+
+def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatch):
+    """Batches of five and two sequences (capture sizes 8 and 2); each sequence's first token
+    comes from an eager prefill."""
+    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)
+    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
+              host_memory="64MiB")
+    llm.model.experts.maps_host_experts = True
+    runs = [[[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15], [3, 1, 4, 1, 5]],
+            [[7, 7, 2], [9, 8, 7, 6]]]
+
+    def generate() -> list[list[int]]:
+        return [out.token_ids for prompts in runs
+                for out in llm.generate(prompt_token_ids=prompts, max_tokens=5,
+                                        temperature=0.0, ignore_eos=True)]
+
+    want = generate()
+    llm.model.use_graphs(EagerCapture())
+    assert generate() == want
+    assert llm.model.graphs.sizes == [2, 8]
