@@ -4,11 +4,14 @@ experts paged into CUDA slot pools (pinned staging, side-stream copies, host tie
     python -m mox.bench.micro.gpu_serving --out DIR
 
 1. Each demo architecture, fp32: greedy tokens on CUDA with a pool of top_k + 1 slots
-   (waves, evictions) and a host cache equal those on CUDA with every expert resident, and
-   those on CPU (torch path): the kernels, the pager and the copies agree end to end.
+   (waves, evictions) and a host cache, cold and then warm, equal those on CUDA with every
+   expert resident, and those on CPU (torch path): the kernels, the pager and the copies agree
+   end to end. Decode steps replay CUDA graphs (mox.models.decode_graphs) where the model
+   takes them; the resident run is repeated eagerly (`use_graphs(None)`) and must agree too.
 2. The bench-size olmoe (bf16, 1.6 GB of experts): prefill time and decode tokens/s at 1, 8
-   and 32 sequences on CUDA, all experts resident and a quarter of them (paged from the host
-   cache / disk), against transformers' `generate` on the same checkpoint and GPU.
+   and 32 sequences on CUDA, all experts resident (with graphs, and eagerly) and a quarter of
+   them (paged from the host cache / disk), against transformers' `generate` on the same
+   checkpoint and GPU; the GPU's busy share of a 32-sequence decode (kernel time / wall time).
 3. Where a batch-1 decode step's time goes on CUDA (torch.profiler, top ops).
 """
 
@@ -42,14 +45,22 @@ def parity(home: str) -> list[dict]:
             reference = greedy(LLM(path, device="cpu", dtype="float32"))
             resident_llm = LLM(path, device="cuda", dtype="float32")
             resident = greedy(resident_llm)
+            graphs = resident_llm.model.graphs
+            row["graph_sizes"] = [] if graphs is None else graphs.sizes
+            resident_llm.model.use_graphs(None)
+            row["cuda_eager_equals_graphs"] = greedy(resident_llm) == resident
             top_k = resident_llm.model.spec.top_k
             expert_bytes = resident_llm.pager_stats()["expert_bytes"]
             paged_llm = LLM(path, device="cuda", dtype="float32",
                             expert_memory=(top_k + 1) * expert_bytes, host_memory="64MiB")
             paged = greedy(paged_llm)
+            paged_warm = greedy(paged_llm)
             stats = paged_llm.pager_stats()
             row.update({"cuda_resident_equals_cpu": resident == reference,
                         "cuda_paged_equals_cpu": paged == reference,
+                        "cuda_paged_warm_equals_cpu": paged_warm == reference,
+                        "graph_captures": stats["graph_captures"],
+                        "mapped_reads": stats["mapped_reads"],
                         "misses": stats["misses"], "waves": stats["waves"],
                         "evictions": stats["evictions"],
                         "bytes_read_host": stats["bytes_read_host"]})
@@ -122,21 +133,38 @@ def profile_step(llm: LLM) -> list[str]:
     return table.splitlines() + cuda_table.splitlines()
 
 
+def busy_share(llm: LLM, num_seqs: int) -> float:
+    """GPU kernel time over wall time of a decode of `num_seqs` sequences (the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    batch = prompts(num_seqs, 8)
+    llm.generate(prompt_token_ids=batch, max_tokens=4, temperature=0.0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(lambda: llm.generate(prompt_token_ids=batch, max_tokens=DECODE_TOKENS,
+                                          temperature=0.0, ignore_eos=True))
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / 1e6 / wall
+
+
 def speed(home: str) -> dict:
     path = ensure_demo_models(home, "bench", 1.0, ("olmoe",))[demo_name("olmoe", "bench", 1.0)]
     rows = []
     profile_lines: list[str] = []
-    for label, kwargs in [("all resident", {}),
-                          ("25% of experts, host cache", {"expert_memory": "400MiB",
-                                                          "host_memory": "2GiB"})]:
+    for label, kwargs, graphs in [
+            ("all resident, graphs", {}, True), ("all resident, eager", {}, False),
+            ("25% of experts, host cache, graphs", {"expert_memory": "400MiB",
+                                                    "host_memory": "2GiB"}, True)]:
         llm = LLM(path, device="cuda", dtype="bfloat16", **kwargs)
+        if not graphs:
+            llm.model.use_graphs(None)
         row = {"config": label, "prefill_256_s": prefill_seconds(llm)}
         for num_seqs in (1, 8, 32):
             row[f"decode_tok_s_{num_seqs}"] = mox_decode_tok_s(llm, num_seqs)
+        row["gpu_busy_share_32"] = busy_share(llm, 32)
         stats = llm.pager_stats()
         row.update({key: stats[key] for key in ("hits", "misses", "prefetch_hits",
                                                 "mapped_reads", "bytes_read_host",
-                                                "bytes_read_disk")})
+                                                "bytes_read_disk", "graph_captures",
+                                                "graph_capture_seconds")})
         print(row, flush=True)
         rows.append(row)
         if not profile_lines:
@@ -161,6 +189,7 @@ def main() -> None:
         json.dump(report, f, indent=2)
     print("\n".join(report["speed"]["profile_batch1"]))
     ok = all(r.get("cuda_resident_equals_cpu") and r.get("cuda_paged_equals_cpu")
+             and r.get("cuda_paged_warm_equals_cpu") and r.get("cuda_eager_equals_graphs")
              for r in report["parity"])
     print("parity ok" if ok else "PARITY FAILED")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -47,6 +48,10 @@ CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 Step = Callable[[], torch.Tensor]
 # the model's step through the table: (batch, hold, used [L, E]) -> logits [T, V] f32
 TableForward = Callable[[ForwardBatch, Hold, torch.Tensor], torch.Tensor]
+
+
+class GraphCaptureError(RuntimeError):
+    """A step could not be captured (the model then decodes eagerly)."""
 
 
 def capture_size(num_tokens: int) -> int | None:
@@ -161,7 +166,8 @@ class DecodeGraphs:
         self._baked: tuple | None = None
         self._inputs: StaticInputs | None = None
         self._hold: Hold | None = None           # the pools and static table the graphs read
-        self._loaded: ExpertMap | None = None    # the table whose rows the buffers hold
+        # the table whose rows the buffers hold (weakly: its mapped host bytes may go)
+        self._loaded: weakref.ref[ExpertMap] | None = None
         self._kv_capacity = 0
 
     @property
@@ -198,16 +204,20 @@ class DecodeGraphs:
                          (inputs.lengths, batch.key_ranges[1])):
             _load(dst, src, size)
         inputs.kv_slots[:batch.kv_slots.numel()].copy_(batch.kv_slots)
-        if hold.table is not self._loaded:              # (a refresh made a new one)
-            self._loaded = hold.table
+        if self._loaded is None or self._loaded() is not hold.table:   # (a refresh made one)
+            self._loaded = weakref.ref(hold.table)
             inputs.table.row_of.copy_(hold.table.row_of)
             for dst, src in zip(_offsets(inputs.table.rows), _offsets(hold.table.rows)):
                 dst.copy_(src)
         replay = self._replays.get(size)
         if replay is None:
             started = time.perf_counter()
-            replay = self._replays[size] = self.capture.capture(
-                lambda: self._forward(size, batch.kv))
+            try:
+                replay = self.capture.capture(lambda: self._forward(size, batch.kv))
+            except Exception as exc:
+                raise GraphCaptureError(f"capturing a decode step of {size} rows: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+            self._replays[size] = replay
             self.pool.count_graph_capture(time.perf_counter() - started)
         hold.device_used = inputs.used
         return replay()[:batch.num_tokens]

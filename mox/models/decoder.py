@@ -5,6 +5,7 @@ Legend: T tokens, H hidden, V vocab.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
@@ -23,7 +24,7 @@ from mox.models.attention import (
     native_layer,
     takes_block,
 )
-from mox.models.decode_graphs import DecodeGraphs, GraphCapture
+from mox.models.decode_graphs import DecodeGraphs, GraphCapture, GraphCaptureError
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
@@ -42,6 +43,8 @@ from mox.models.moe import (
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool, ReadsPending, run_to_end
 from mox.pager.model_pool import Hold
+
+log = logging.getLogger(__name__)
 
 # A step of at most this many tokens (decode, a short prefill) may read experts in place from
 # the host cache: a long prefill would read each mapped expert over the link once per block of
@@ -279,7 +282,14 @@ class MoEDecoder:
         with self.experts.holding(table=True) as hold:
             if not hold.table.complete:
                 return None
-            return self.graphs.step(batch, hold)
+            try:
+                return self.graphs.step(batch, hold)
+            except GraphCaptureError:
+                # (graphs are an optimisation: serve eagerly rather than fail the requests)
+                log.exception("model %s decodes without CUDA graphs from now on",
+                              self.experts.name)
+                self.use_graphs(None)
+                return None
 
     def _graph_forward(self, batch: ForwardBatch, hold: Hold,
                        used: torch.Tensor) -> torch.Tensor:

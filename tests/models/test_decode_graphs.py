@@ -112,3 +112,24 @@ def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatc
     llm.model.use_graphs(EagerCapture())
     assert generate() == want
     assert llm.model.graphs.sizes == [2, 8]
+
+
+class _FailingCapture:
+    """A capture that cannot record (say, an op the GPU's graphs refuse)."""
+
+    def capture(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def release(self):
+        pass
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(model, caplog):
+    batch = decode_batch(model, torch.Generator().manual_seed(5))
+    want = model.forward_batch(batch)
+    model.use_graphs(_FailingCapture())
+    torch.testing.assert_close(model.forward_batch(batch), want, atol=1e-4, rtol=1e-4)
+    assert model.graphs is None
+    assert "decodes without CUDA graphs" in caplog.text
+    assert "not permitted when stream is capturing" in caplog.text
+    assert model.experts.slot_pool.holds == 0
