@@ -45,8 +45,8 @@ class OpCounter(TorchDispatchMode):
 
 def _count_triton(counter: OpCounter) -> None:
     """Count each Triton kernel launch of mox's kernel modules as one op."""
-    from mox.kernels import attention_triton, moe_triton
-    for module in (attention_triton, moe_triton):
+    from mox.kernels import attention_triton, moe_triton, triton_ops
+    for module in (attention_triton, moe_triton, triton_ops):
         for name in dir(module):
             fn = getattr(module, name)
             if name.startswith("_") and name.endswith("_kernel") and hasattr(fn, "__getitem__"):
@@ -74,11 +74,11 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=1)
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    import mox.models.attend as attend
     from mox import LLM
     from mox.demo import demo_name, ensure_demo_models
+    from mox.kernels import triton_ops
 
-    attend._takes_triton = lambda q: True                   # the GPU's attention
+    triton_ops.takes = lambda x: True                      # the GPU's paths
     with tempfile.TemporaryDirectory() as home:
         path = ensure_demo_models(home, architectures=(args.arch,))[demo_name(args.arch)]
         llm = LLM(path, dtype="float32")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mox.kernels import native
+from mox.kernels import native, triton_ops
 from mox.kernels.attention_triton import decode_attention_triton
 from mox.models.forward_batch import ForwardBatch, PaddedLayout
 
@@ -32,7 +32,7 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
         # decode: the keys read in place from the store, no gathered or padded copies
         # (C on a CPU, Triton on a GPU)
         kernel = (native.kernels().decode_attention if native.takes_attention(q, batch.kv)
-                  else decode_attention_triton if _takes_triton(q) else None)
+                  else decode_attention_triton if triton_ops.takes(q) else None)
         if kernel is not None:
             keys, values = batch.kv.rows(layer)
             starts, lengths = batch.key_ranges
@@ -47,11 +47,6 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     out = _sdpa(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 batch.attention_mask(window), scale, sinks)               # [h, T, dv]
     return out.transpose(0, 1)
-
-
-def _takes_triton(q: torch.Tensor) -> bool:
-    """Whether the Triton decode attention serves these queries (a GPU)."""
-    return q.is_cuda
 
 
 def _attend_padded(batch: ForwardBatch, pad: PaddedLayout, layer: int, q: torch.Tensor,

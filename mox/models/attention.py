@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mox.kernels import native
+from mox.kernels import native, triton_ops
 from mox.kernels.native_attention import AttentionLayer, attention_layer
 from mox.kernels.native_moe import K_MULTIPLE
 from mox.loaders.spec import QK_NORM_FULL, QK_NORM_PER_HEAD, ModelSpec
@@ -59,8 +59,14 @@ def attention(spec: ModelSpec, w: AttentionWeights, layer: int, x: torch.Tensor,
 def _rotate_and_store(rotary: Rotary, batch: ForwardBatch, layer: int, q: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """RoPE on q and k, then k and v into the batch's KV store; returns the rotated q. One
-    native call on a CPU (bf16, rotating in place), else the reference rotation and an
-    indexed copy."""
+    native call on a CPU (bf16, rotating in place), one Triton kernel on a GPU, else the
+    reference rotation and an indexed copy."""
+    if triton_ops.takes(q) and triton_ops.takes_rope(rotary.rope.rotary_dim):
+        rotary.reserve(batch.max_position + 1)
+        keys, values = batch.kv.rows(layer)
+        return triton_ops.rope_kv(q, k, v, rotary.cos, rotary.sin, batch.positions,
+                                  rotary.rope.rotary_dim, rotary.rope.interleaved, keys,
+                                  values, batch.slot_mapping)
     tables = batch.rotary_tables(rotary)
     if native.takes_rope(q, k, v, batch.kv):
         keys, values = batch.kv.rows(layer)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from mox.kernels import native
+from mox.kernels import native, triton_ops
 from mox.kernels.native_attention import AttentionLayer
 from mox.kernels.native_moe import MoELayer
 from mox.kernels.native_step import StepLayers, step_layers, step_tail
@@ -190,8 +190,11 @@ class MoEDecoder:
         """Layer i's attention half step by step: the stream after it, and its normed rows
         for the MLP half."""
         layer, eps = self.layers[i], self.spec.rms_norm_eps
-        x = x + self.attention(self.spec, layer.attention, i, rms_norm(x, layer.input_norm, eps),
-                               self.rotary, batch)
+        out = self.attention(self.spec, layer.attention, i, rms_norm(x, layer.input_norm, eps),
+                             self.rotary, batch)
+        if triton_ops.takes(x):            # (the residual add and the norm in one kernel)
+            return triton_ops.rms_norm(out, layer.post_attention_norm, eps, residual=x)
+        x = x + out
         return x, rms_norm(x, layer.post_attention_norm, eps)
 
     def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mox.kernels import native
+from mox.kernels import native, triton_ops
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -26,9 +26,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32 (bf16 squares overflow precision), scale in the input dtype, as HF
-    (bf16 rows on a CPU: in one native call, not seven small ops)."""
+    (bf16 rows on a CPU: in one native call, not seven small ops; on a GPU one Triton
+    kernel)."""
     if native.takes_norm(x, weight):
         return native.kernels().rms_norm(x, weight, eps)
+    if triton_ops.takes(x) and x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype:
+        return triton_ops.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mox.models.attend as attend
 from mox import LLM
+from mox.kernels import triton_ops
 from mox.models.decode_graphs import CAPTURE_SIZES, EagerCapture, capture_size
 from tests.models.decode_batch import decode_batch
 
 
 @pytest.fixture()
 def model(mapped_mixtral, monkeypatch):
-    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)     # the GPU's attention
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)     # the GPU's attention
     pool = mapped_mixtral.experts
     pool.maps_host_experts = True
     return mapped_mixtral
@@ -96,7 +96,7 @@ def test_a_moved_kv_store_or_pool_recaptures_and_parking_drops_the_graphs(model)
 def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatch):
     """Batches of five and two sequences (capture sizes 8 and 2); each sequence's first token
     comes from an eager prefill."""
-    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)
     llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
               host_memory="64MiB")
     llm.model.experts.maps_host_experts = True

@@ -67,19 +67,26 @@ def test_an_expert_only_on_disk_sends_the_step_to_the_waves(model):
 
 
 def test_with_the_triton_decode_attention_the_whole_step_is_the_gpu_path(model, monkeypatch):
-    """Attention too through the Triton kernel that reads the paged store in place (what a
-    GPU decode step runs): the same logits as the gathered attention and the waves."""
+    """Attention too through the Triton kernel that reads the paged store in place, and
+    the norms, rotary and KV writes through the fused Triton ops (what a GPU decode step
+    runs): the same logits as the gathered attention and the waves."""
     import mox.models.attend as attend
+    from mox.kernels import triton_ops
     pool = model.experts
     batch = decode_batch(model, torch.Generator().manual_seed(7))
     pool.maps_host_experts = False
     want = model.forward_batch(batch)
     calls = []
-    kernel = attend.decode_attention_triton
-    monkeypatch.setattr(attend, "_takes_triton", lambda q: True)
-    monkeypatch.setattr(attend, "decode_attention_triton",
-                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)
+    for module, name in ((attend, "decode_attention_triton"), (triton_ops, "rope_kv"),
+                         (triton_ops, "rms_norm")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, kernel=kernel, name=name, **kwargs:
+                            calls.append(name) or kernel(*args, **kwargs))
     pool.maps_host_experts = True
     got = model.forward_batch(batch)
-    assert len(calls) == model.spec.num_layers              # every layer, in place
+    layers = model.spec.num_layers
+    assert calls.count("decode_attention_triton") == layers  # every layer, in place
+    assert calls.count("rope_kv") == layers
+    assert calls.count("rms_norm") >= 2 * layers + 1          # two a layer, and the final one
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

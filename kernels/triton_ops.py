@@ -1,0 +1,152 @@
+"""A GPU decode step's small ops fused in Triton (issue 20): a CUDA graph replays every kernel
+of a step back to back, each a few microseconds however small, so at batch 1 their number
+bounds the step. torch spends seven kernels on an RMSNorm and about ten on rotating q and k
+and storing K/V; here each is one.
+
+- `rms_norm`: `weight * (x / rms(x))` per row, the normalization in fp32 and the scaling in
+  the input dtype, as HF does; optionally after adding a residual (`x + r`, rounded to the
+  dtype as torch's add is), returning the sum too.
+- `rope_kv`: RoPE on q and k from the rotary tables at each token's position (halves, or
+  interleaved pairs listed evens then odds, as mox.models.rotary does; the dims past
+  `rotary_dim` kept), then k and v stored at each token's KV slot.
+
+Loads are upcast to fp32 (the interpreter's bf16 arithmetic is wrong; on a GPU it is what
+the math wants anyway). Legend: T tokens (rows), N row width, h / h_kv heads, d head dim,
+r rotary dims, P table positions, S KV slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_triton import is_interpreter
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the Triton ops serve this tensor's step (a GPU; the CPU tests stand one in
+    by patching this under the interpreter)."""
+    return x.is_cuda
+
+
+def takes_rope(rotary_dim: int) -> bool:
+    """Whether `rope_kv` takes these rotary dims (its halves a power of two wide)."""
+    half = rotary_dim // 2
+    return rotary_dim % 2 == 0 and half > 0 and half == triton.next_power_of_2(half)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, width, eps, stride_x, stride_r,
+                     stride_s, stride_o, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < width
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        x = (x + r).to(sum_ptr.dtype.element_ty)        # rounded as torch's add rounds
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=ok)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, N]` (rows contiguous) -> its RMSNorm `[T, N]`; with `residual`, `(x + residual,
+    its RMSNorm)`."""
+    assert x.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), \
+        (x.shape, x.stride(), weight.shape)
+    out = torch.empty_like(x)
+    summed = out if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
+    assert r.shape == x.shape and r.stride(1) == 1
+    _rms_norm_kernel[(x.shape[0],)](
+        x, r, weight, summed, out, x.shape[1], eps, x.stride(0), r.stride(0), summed.stride(0),
+        out.stride(0), RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out if residual is None else (summed, out)
+
+
+@triton.jit
+def _rotate(x_ptr, head, offs, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A head's rotary dims as (a, b) halves rotated: (a cos - b sin, b cos + a sin), where
+    (a, b) are the first and second halves, or the even and odd dims when interleaved."""
+    if INTERLEAVED:
+        a = tl.load(x_ptr + head + 2 * offs).to(tl.float32)
+        b = tl.load(x_ptr + head + 2 * offs + 1).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + head + offs).to(tl.float32)
+        b = tl.load(x_ptr + head + HALF + offs).to(tl.float32)
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr,
+                    keys_ptr, values_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                    stride_vt, stride_vh, stride_cos, stride_ot, stride_oh, stride_kn,
+                    stride_kg, stride_vn, stride_vg, HEADS: tl.constexpr,
+                    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_REST: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """One program per (token, head) of the h + h_kv heads: q heads rotate into q_out, key
+    heads rotate into the store (their values copied beside them)."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs)
+    rest = 2 * HALF + tl.arange(0, BLOCK_REST)            # dims past the rotary ones
+    rest_ok = rest < HEAD_DIM
+    if head < HEADS:
+        src = q_ptr + token * stride_qt + head * stride_qh
+        dst = q_out_ptr + token * stride_ot + head * stride_oh
+    else:
+        g = head - HEADS
+        src = k_ptr + token * stride_kt + g * stride_kh
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        dst = keys_ptr + slot * stride_kn + g * stride_kg
+        offs_v = tl.arange(0, BLOCK_V)
+        v = tl.load(v_ptr + token * stride_vt + g * stride_vh + offs_v,
+                    mask=offs_v < VALUE_DIM, other=0.0)
+        tl.store(values_ptr + slot * stride_vn + g * stride_vg + offs_v, v,
+                 mask=offs_v < VALUE_DIM)
+    lo, hi = _rotate(src, 0, offs, cos, sin, HALF, INTERLEAVED)
+    tl.store(dst + offs, lo.to(dst.dtype.element_ty))
+    tl.store(dst + HALF + offs, hi.to(dst.dtype.element_ty))
+    kept = tl.load(src + rest, mask=rest_ok, other=0.0)
+    tl.store(dst + rest, kept, mask=rest_ok)
+
+
+def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int, interleaved: bool,
+            keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q `[T, h, d]`, k `[T, h_kv, d]`, v `[T, h_kv, dv]` (heads may be views of one qkv row);
+    `cos`, `sin` `[P, r]` the rotary tables, read at `positions [T]`. Rotated k and v go to
+    `keys [S, h_kv, d]` and `values [S, h_kv, dv]` at `slots [T]`; returns rotated q `[T, h,
+    d]` (contiguous)."""
+    assert q.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    num_tokens, heads, dim = q.shape
+    kv_heads, value_dim = k.shape[1], v.shape[2]
+    assert takes_rope(rotary_dim), rotary_dim
+    half = rotary_dim // 2
+    assert k.shape == (num_tokens, kv_heads, dim) and v.shape[:2] == (num_tokens, kv_heads)
+    for t in (q, k, v, keys, values, cos, sin):
+        assert t.stride(-1) == 1, "rows contiguous in their last dim"
+    assert positions.shape == slots.shape == (num_tokens,)
+    q_out = torch.empty(num_tokens, heads, dim, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        _rope_kv_kernel[(num_tokens, heads + kv_heads)](
+            q, k, v, cos, sin, positions, slots, q_out, keys, values,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), q_out.stride(0), q_out.stride(1), keys.stride(0), keys.stride(1),
+            values.stride(0), values.stride(1), HEADS=heads, KV_HEADS=kv_heads,
+            HEAD_DIM=dim, VALUE_DIM=value_dim, HALF=half, INTERLEAVED=interleaved,
+            BLOCK_REST=triton.next_power_of_2(max(dim - rotary_dim, 1)),
+            BLOCK_V=triton.next_power_of_2(value_dim))
+    return q_out

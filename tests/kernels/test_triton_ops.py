@@ -1,0 +1,92 @@
+"""The fused Triton ops of a GPU decode step (kernels/triton_ops.py) against the torch paths
+they replace (mox.models.layers.rms_norm's, mox.models.rotary plus KVStore.write), under the
+interpreter (whose bf16 rounding truncates: bf16 results are checked to an ulp): odd widths,
+partial and interleaved rotary dims, GQA, heads that are views of one qkv row, and slots
+scattered over the store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mox.kernels import triton_ops
+from mox.loaders.rope import RopeSpec
+from mox.models.layers import rms_norm
+from mox.models.rotary import Rotary
+
+
+def _torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 24, 100])
+def test_rms_norm_equals_torch(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, width, generator=gen) * 3).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6),
+                               _torch_rms_norm(x, weight, 1e-6), **tol)
+    residual = torch.randn(5, width, generator=gen).to(dtype)
+    summed, normed = triton_ops.rms_norm(x, weight, 1e-6, residual=residual)
+    # (rounded as torch's add on a GPU; the interpreter truncates to bf16: one ulp apart)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0 if dtype == torch.float32
+                               else 2 ** -7)
+    torch.testing.assert_close(normed, _torch_rms_norm(x + residual, weight, 1e-6), **tol)
+
+
+def test_rms_norm_of_a_strided_view_reads_its_rows():
+    x = torch.randn(4, 64)[:, :48]                          # rows 64 apart
+    weight = torch.randn(48)
+    torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-5),
+                               _torch_rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def _rope(rotary_dim: int, interleaved: bool) -> RopeSpec:
+    return RopeSpec(theta=10000.0, rotary_dim=rotary_dim, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim, interleaved", [
+    (4, 2, 16, 16, False),        # GQA, full rotary, halves
+    (2, 2, 24, 8, False),         # partial rotary (GLM-style), dims past it kept
+    (3, 1, 16, 16, True),         # interleaved pairs (DeepSeek-style)
+])
+def test_rope_kv_equals_rotating_then_writing(heads, kv_heads, head_dim, rotary_dim,
+                                              interleaved):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    rotary = Rotary(_rope(rotary_dim, interleaved), torch.device("cpu"))
+    tokens, slots_total = 5, 40
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen)                    # one row per token
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 7, 3, 300, 12])
+    slots = torch.tensor([5, 0, 33, 17, 39])
+    tables = rotary.tables(positions, int(positions.max()))
+    want_q, want_k = rotary.apply(q, k, tables)
+    want_keys = torch.randn(slots_total, kv_heads, head_dim, generator=gen)
+    want_values = torch.randn(slots_total, kv_heads, head_dim, generator=gen)
+    keys, values = want_keys.clone(), want_values.clone()
+    want_keys[slots], want_values[slots] = want_k, v
+    got_q = triton_ops.rope_kv(q, k, v, rotary.cos, rotary.sin, positions, rotary_dim,
+                               interleaved, keys, values, slots)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys, want_keys, atol=1e-5, rtol=1e-5)   # others untouched
+    assert torch.equal(values, want_values)
+
+
+def test_the_model_norm_takes_the_triton_op_where_it_serves(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)
+    kernel = triton_ops.rms_norm
+    monkeypatch.setattr(triton_ops, "rms_norm",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    x, weight = torch.randn(3, 32), torch.randn(32)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), _torch_rms_norm(x, weight, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+    assert calls == [1]
