@@ -4,9 +4,9 @@ Legend: T tokens, k experts per token, P = T*k (token, expert) pairs, E logical 
 S slots, H hidden, I intermediate, BM/BN/BK block sizes.
 
 Design (as vLLM's and SGLang's fused_moe):
-1. align: sort the P pairs by slot and pad each slot's run to a multiple of BM, so every M
-   block of the grouped GEMMs reads one slot's weights. All on the device, no host sync: the
-   grid is sized for the worst case and blocks past the padded length exit at once.
+1. align (moe_align.py): sort the P pairs by slot and pad each slot's run to a multiple of
+   BM, so every M block of the grouped GEMMs reads one slot's weights. All on the device, no
+   host sync: the grid is sized for the worst case and blocks past the padded length exit.
 2. gate_up: gather each pair's token row inside the load, multiply by w13[slot] (gate and up
    halves as two accumulators), store SiLU(gate) * up: the [P, 2I] product never exists.
 3. down: multiply by w2[slot], scale by the routing weight, store one row per pair; the k rows
@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_align import ALIGN_KERNEL_MAX_PAIRS, align_pairs, align_pairs_triton
 from .moe_config import MoEKernelConfig, get_config
 from .quant import INT4, MXFP4, ExpertScales
 
@@ -42,13 +43,6 @@ PACKED_KINDS = {INT4: 1, MXFP4: 2}
 
 def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class AlignedPairs:
-    sorted_pairs: torch.Tensor      # [M_max] int32: pair ids grouped by slot; pad = P
-    block_slot: torch.Tensor        # [M_max / BM] int32: the slot each M block multiplies by
-    num_padded: torch.Tensor        # [1] int32: used length of sorted_pairs, on the device
 
 
 @dataclass(frozen=True)
@@ -126,37 +120,6 @@ def rows_aligned(offsets: list[int]) -> bool:
     """Whether weight offsets (slot strides, mapped experts' distances) keep every row's
     start as aligned as the pool's own."""
     return all(offset % ROW_ALIGN == 0 for offset in offsets)
-
-
-def align_pairs(topk_ids: torch.Tensor, slot_of: torch.Tensor, num_slots: int,
-                block_m: int) -> AlignedPairs:
-    """Group the (token, expert) pairs by slot (a row of `ExpertRows`: `num_slots` counts
-    them all), each run padded to BM; drops non-resident."""
-    num_pairs = topk_ids.numel()
-    device = topk_ids.device
-    slots = slot_of[topk_ids.reshape(-1).long()].long()                   # [P]
-    key = torch.where(slots >= 0, slots, num_slots)                       # non-resident: last
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))                     # [S+1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_slots] = 0
-    padded_end = padded.cumsum(0)                                         # [S+1]
-    # worst case: every distinct slot wastes BM-1 positions; at most min(E, P) distinct slots
-    max_len = triton.cdiv(num_pairs + min(slot_of.numel(), num_pairs) * (block_m - 1),
-                          block_m) * block_m
-    order = torch.argsort(key, stable=True)                               # [P]
-    sorted_key = key[order]
-    run_start = counts.cumsum(0) - counts                                 # [S+1]
-    rank = torch.arange(num_pairs, device=device) - run_start[sorted_key]
-    dest_start = padded_end - padded
-    dest_start[num_slots] = max_len                   # non-resident pairs land past the end
-    sorted_pairs = torch.full((max_len + num_pairs,), num_pairs, dtype=torch.int32,
-                              device=device)
-    sorted_pairs.scatter_(0, dest_start[sorted_key] + rank, order.to(torch.int32))
-    block_starts = torch.arange(0, max_len, block_m, device=device)
-    block_slot = torch.searchsorted(padded_end[:num_slots], block_starts, right=True)
-    return AlignedPairs(sorted_pairs[:max_len], block_slot.to(torch.int32),
-                        padded_end[num_slots:].to(torch.int32))
 
 
 @triton.jit
@@ -316,7 +279,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         device_name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
         config = get_config(slot_of.numel(), inter, device_name, x.dtype, num_tokens)
     num_pairs = num_tokens * top_k
-    aligned = align_pairs(topk_ids, slot_of, rows.num_rows, config.block_m)
+    align = align_pairs_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs
+    aligned = align(topk_ids.reshape(-1).contiguous(), slot_of, rows.num_rows, config.block_m)
     num_m_blocks = aligned.block_slot.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)          # [P, I]
     pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]

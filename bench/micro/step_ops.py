@@ -45,8 +45,8 @@ class OpCounter(TorchDispatchMode):
 
 def _count_triton(counter: OpCounter) -> None:
     """Count each Triton kernel launch of mox's kernel modules as one op."""
-    from mox.kernels import attention_triton, moe_triton, triton_ops
-    for module in (attention_triton, moe_triton, triton_ops):
+    from mox.kernels import attention_triton, moe_align, moe_triton, triton_ops
+    for module in (attention_triton, moe_align, moe_triton, triton_ops):
         for name in dir(module):
             fn = getattr(module, name)
             if name.startswith("_") and name.endswith("_kernel") and hasattr(fn, "__getitem__"):
