@@ -53,8 +53,10 @@ def test_triton_and_torch_paths_agree_with_default_configs():
 
 @pytest.mark.parametrize("align", [align_pairs, align_pairs_triton])
 def test_align_groups_pairs_by_slot_padded_to_block(align):
-    ids = torch.tensor([[0, 1], [1, 2], [3, 1], [2, 0]], dtype=torch.int32)   # P = 8
-    slot_of = torch.tensor([5, 2, NOT_RESIDENT, 0], dtype=torch.int32)       # expert 2 absent
+    ids = torch.tensor([[0, 1], [1, 2], [3, 1], [2, 0]], dtype=torch.int32,    # P = 8
+                       device=DEVICE)
+    slot_of = torch.tensor([5, 2, NOT_RESIDENT, 0], dtype=torch.int32,        # expert 2 absent
+                           device=DEVICE)
     aligned = align(ids.reshape(-1), slot_of, num_slots=6, block_m=4)
     num_padded = int(aligned.num_padded)
     # slots 0 (1 pair), 2 (3 pairs), 5 (2 pairs): three runs of one block each
@@ -82,6 +84,7 @@ def test_the_one_kernel_align_equals_the_torch_ops(num_pairs, num_experts, extra
     ids = torch.randint(0, num_experts, (num_pairs,), generator=gen, dtype=torch.int32)
     slot_of = torch.randperm(num_rows, generator=gen)[:num_experts].to(torch.int32)
     slot_of[torch.rand(num_experts, generator=gen) < absent] = NOT_RESIDENT
+    ids, slot_of = ids.to(DEVICE), slot_of.to(DEVICE)
     want = align_pairs(ids, slot_of, num_rows, block_m)
     got = align_pairs_triton(ids, slot_of, num_rows, block_m)
     assert torch.equal(got.num_padded, want.num_padded)

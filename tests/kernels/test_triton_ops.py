@@ -14,6 +14,8 @@ from mox.loaders.rope import RopeSpec
 from mox.models.layers import rms_norm
 from mox.models.rotary import Rotary
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # (the CPU: the interpreter)
+
 
 def _torch_rms_norm(x, weight, eps):
     x32 = x.float()
@@ -25,12 +27,12 @@ def _torch_rms_norm(x, weight, eps):
 @pytest.mark.parametrize("width", [1, 24, 100])
 def test_rms_norm_equals_torch(dtype, width):
     gen = torch.Generator().manual_seed(width)
-    x = (torch.randn(5, width, generator=gen) * 3).to(dtype)
-    weight = torch.randn(width, generator=gen).to(dtype)
+    x = (torch.randn(5, width, generator=gen) * 3).to(DEVICE, dtype)
+    weight = torch.randn(width, generator=gen).to(DEVICE, dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6),
                                _torch_rms_norm(x, weight, 1e-6), **tol)
-    residual = torch.randn(5, width, generator=gen).to(dtype)
+    residual = torch.randn(5, width, generator=gen).to(DEVICE, dtype)
     summed, normed = triton_ops.rms_norm(x, weight, 1e-6, residual=residual)
     # (rounded as torch's add on a GPU; the interpreter truncates to bf16: one ulp apart)
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0 if dtype == torch.float32
@@ -39,8 +41,8 @@ def test_rms_norm_equals_torch(dtype, width):
 
 
 def test_rms_norm_of_a_strided_view_reads_its_rows():
-    x = torch.randn(4, 64)[:, :48]                          # rows 64 apart
-    weight = torch.randn(48)
+    x = torch.randn(4, 64, device=DEVICE)[:, :48]           # rows 64 apart
+    weight = torch.randn(48, device=DEVICE)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-5),
                                _torch_rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
 
@@ -57,20 +59,20 @@ def _rope(rotary_dim: int, interleaved: bool) -> RopeSpec:
 def test_rope_kv_equals_rotating_then_writing(heads, kv_heads, head_dim, rotary_dim,
                                               interleaved):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    rotary = Rotary(_rope(rotary_dim, interleaved), torch.device("cpu"))
+    rotary = Rotary(_rope(rotary_dim, interleaved), torch.device(DEVICE))
     tokens, slots_total = 5, 40
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(tokens, width, generator=gen)                    # one row per token
+    qkv = torch.randn(tokens, width, generator=gen).to(DEVICE)         # one row per token
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q = q.view(tokens, heads, head_dim)
     k = k.view(tokens, kv_heads, head_dim)
     v = v.view(tokens, kv_heads, head_dim)
-    positions = torch.tensor([0, 7, 3, 300, 12])
-    slots = torch.tensor([5, 0, 33, 17, 39])
+    positions = torch.tensor([0, 7, 3, 300, 12], device=DEVICE)
+    slots = torch.tensor([5, 0, 33, 17, 39], device=DEVICE)
     tables = rotary.tables(positions, int(positions.max()))
     want_q, want_k = rotary.apply(q, k, tables)
-    want_keys = torch.randn(slots_total, kv_heads, head_dim, generator=gen)
-    want_values = torch.randn(slots_total, kv_heads, head_dim, generator=gen)
+    want_keys = torch.randn(slots_total, kv_heads, head_dim, generator=gen).to(DEVICE)
+    want_values = torch.randn(slots_total, kv_heads, head_dim, generator=gen).to(DEVICE)
     keys, values = want_keys.clone(), want_values.clone()
     want_keys[slots], want_values[slots] = want_k, v
     got_q = triton_ops.rope_kv(q, k, v, rotary.cos, rotary.sin, positions, rotary_dim,
@@ -86,7 +88,7 @@ def test_the_model_norm_takes_the_triton_op_where_it_serves(monkeypatch):
     kernel = triton_ops.rms_norm
     monkeypatch.setattr(triton_ops, "rms_norm",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    x, weight = torch.randn(3, 32), torch.randn(32)
+    x, weight = torch.randn(3, 32, device=DEVICE), torch.randn(32, device=DEVICE)
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), _torch_rms_norm(x, weight, 1e-6),
                                atol=1e-5, rtol=1e-5)
     assert calls == [1]
