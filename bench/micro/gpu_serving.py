@@ -13,6 +13,12 @@ experts paged into CUDA slot pools (pinned staging, side-stream copies, host tie
    them (paged from the host cache / disk), against transformers' `generate` on the same
    checkpoint and GPU; the GPU's busy share of a 32-sequence decode (kernel time / wall time).
 3. Where a batch-1 decode step's time goes on CUDA (torch.profiler, top ops).
+4. `--phase big` (alone: building the checkpoint takes minutes): a Qwen3-30B-A3B-shaped model
+   with half its layers (random weights, E=128, k=8, H=2048, I=768, 24 layers; ~30 GB bf16,
+   built on the machine's disk) under a 10 GiB expert budget: cold TTFT (page cache emptied)
+   and decode tok/s, against the HBM bound (a token's active bytes / copy bandwidth) and the
+   link bound (the bytes it paged in / pinned host-to-device bandwidth), both measured in
+   the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import time
 import torch
 
 from mox import LLM
-from mox.demo import DEMO_ARCHITECTURES, demo_name, ensure_demo_models
+from mox.demo import DEMO_ARCHITECTURES, Size, build_checkpoint, demo_name, ensure_demo_models
+from mox.loaders.page_cache import evict
 
 PROMPT = "The expert pager streams experts into slots"
 DECODE_TOKENS = 64
@@ -176,11 +183,69 @@ def speed(home: str) -> dict:
     return {"rows": rows, "transformers_decode_tok_s": hf, "profile_batch1": profile_lines}
 
 
+# Qwen3-30B-A3B's shapes, half its 48 layers: ~29 GB of experts in bf16
+QWEN3_30B_HALF = Size(2048, 24, 32, 4, 128, experts=128, top_k=8, moe_intermediate=768,
+                      vocab=32000)
+
+
+def copy_gb_s(pinned: bool) -> float:
+    """Device-to-device copy (pinned=False) or pinned host-to-device rate, GB/s."""
+    size = 1 << 30
+    src = (torch.empty(size, dtype=torch.uint8, pin_memory=True) if pinned
+           else torch.empty(size, dtype=torch.uint8, device="cuda"))
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    return size / 1e9 / min(timed(lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
+
+
+def big(home: str) -> dict:
+    path = os.path.join(home, "models", "qwen3-30b-a3b-half")
+    started = time.perf_counter()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_checkpoint(path, "qwen3_moe", QWEN3_30B_HALF, max_shard_bytes=4 << 30)
+    report: dict = {"build_s": time.perf_counter() - started,
+                    "hbm_gb_s": copy_gb_s(pinned=False), "h2d_gb_s": copy_gb_s(pinned=True)}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            evict(os.path.join(path, name))
+    started = time.perf_counter()
+    llm = LLM(path, device="cuda", dtype="bfloat16", expert_memory="10GiB",
+              host_memory="48GiB")
+    report["open_s"] = time.perf_counter() - started
+    report["cold_ttft_8_s"] = timed(lambda: llm.generate(prompt_token_ids=prompts(1, 8),
+                                                         max_tokens=1))
+    report["ttft_32_s"] = timed(lambda: llm.generate(prompt_token_ids=prompts(1, 32),
+                                                     max_tokens=1))
+    spec, stats = llm.model.spec, llm.pager_stats()
+    dense = sum(t.numel() * t.element_size() for t in (llm.model.embed, llm.model.lm_head))
+    for layer in llm.model.layers:
+        dense += sum(t.numel() * t.element_size() for t in (layer.attention.qkv,
+                                                             layer.attention.o))
+    token_bytes = dense + spec.num_layers * spec.top_k * stats["expert_bytes"]
+    report["hbm_bound_tok_s_1"] = report["hbm_gb_s"] * 1e9 / token_bytes
+    for num_seqs in (1, 8):
+        before = llm.pager_stats()
+        report[f"decode_tok_s_{num_seqs}"] = mox_decode_tok_s(llm, num_seqs)
+        after = llm.pager_stats()
+        paged = sum(after[k] - before[k] for k in ("bytes_read_host", "bytes_read_disk"))
+        report[f"paged_gb_{num_seqs}"] = paged / 1e9
+    report["graph_captures"] = llm.pager_stats()["graph_captures"]
+    print(report, flush=True)
+    llm.router.shutdown()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--home", default="/tmp/mox_home")
+    parser.add_argument("--phase", choices=("serving", "big"), default="serving")
     args = parser.parse_args()
+    if args.phase == "big":
+        with open(os.path.join(args.out, "gpu_serving_big.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "big": big(args.home)}, f,
+                      indent=2)
+        return
     ensure_demo_models(args.home)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "parity": parity(args.home)}
