@@ -26,14 +26,17 @@ REGISTER_VALUES = 8192
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, starts_ptr, lengths_ptr,
-                             scale, window, stride_qt, stride_qh, stride_kn, stride_kh,
-                             stride_vn, stride_vh, stride_ot, stride_oh,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, kv_offsets_ptr, out_ptr, slots_ptr,
+                             starts_ptr, lengths_ptr, scale, window, stride_qt, stride_qh,
+                             stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                              VALUE_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+                             BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr):
     token, kv_head = tl.program_id(0), tl.program_id(1)
+    if ANCHORED:                          # the store where it is now, from fixed anchors
+        k_ptr += tl.load(kv_offsets_ptr)
+        v_ptr += tl.load(kv_offsets_ptr + 1)
     start = tl.load(starts_ptr + token).to(tl.int64)
     length = tl.load(lengths_ptr + token).to(tl.int64)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
@@ -71,12 +74,15 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, starts_ptr
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                             scale: float, window: int | None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None,
+                            kv_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """q `[T, h, d]`; `keys [N, h_kv, d]`, `values [N, h_kv, dv]`: the layer's store as flat
     slots, rows contiguous per head; token t attends to the keys at
     `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32.
     `block_n`: keys a block (default: as many as keep a block's [G, N, D] products within
-    REGISTER_VALUES)."""
+    REGISTER_VALUES). `kv_offsets` (`[2]` int64, on the device): the store is read that many
+    elements past `keys` and `values`, which are then anchors laid out as its rows (a CUDA
+    graph bakes the anchors' addresses, and the store may move between replays)."""
     num_tokens, heads, dim = q.shape
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     assert q.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
@@ -93,9 +99,11 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     if block_n is None:
         block_n = max(2, min(32, REGISTER_VALUES // (block_g * max(block_d, block_dv))))
     _decode_attention_kernel[(num_tokens, kv_heads)](
-        q, keys, values, out, slots, starts, lengths, scale, window or 0,
+        q, keys, values, keys if kv_offsets is None else kv_offsets, out, slots, starts,
+        lengths, scale, window or 0,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, VALUE_DIM=value_dim, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, BLOCK_N=triton.next_power_of_2(block_n))
+        BLOCK_DV=block_dv, BLOCK_N=triton.next_power_of_2(block_n),
+        ANCHORED=kv_offsets is not None)
     return out

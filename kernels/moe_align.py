@@ -141,7 +141,8 @@ def align_pairs_triton(topk_ids: torch.Tensor, slot_of: torch.Tensor, num_slots:
     """`align_pairs` in one kernel launch (up to ALIGN_KERNEL_MAX_PAIRS pairs)."""
     num_pairs = topk_ids.numel()
     assert 0 < num_pairs <= ALIGN_KERNEL_MAX_PAIRS, num_pairs
-    assert topk_ids.dtype == slot_of.dtype == torch.int32 and topk_ids.is_contiguous()
+    assert topk_ids.dtype == slot_of.dtype == torch.int32
+    assert topk_ids.is_contiguous() and slot_of.is_contiguous()
     max_len = max_padded(num_pairs, slot_of.numel(), block_m)
     device = topk_ids.device
     scratch = torch.empty(2, num_pairs, dtype=torch.int32, device=device)     # count, rank

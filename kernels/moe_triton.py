@@ -280,7 +280,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config = get_config(slot_of.numel(), inter, device_name, x.dtype, num_tokens)
     num_pairs = num_tokens * top_k
     align = align_pairs_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs
-    aligned = align(topk_ids.reshape(-1).contiguous(), slot_of, rows.num_rows, config.block_m)
+    aligned = align(topk_ids.reshape(-1).contiguous(), slot_of.contiguous(), rows.num_rows,
+                    config.block_m)
     num_m_blocks = aligned.block_slot.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)          # [P, I]
     pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]

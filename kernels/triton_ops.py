@@ -88,15 +88,19 @@ def _rotate(x_ptr, head, offs, cos, sin, HALF: tl.constexpr, INTERLEAVED: tl.con
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr,
-                    keys_ptr, values_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                    keys_ptr, values_ptr, kv_offsets_ptr, stride_qt, stride_qh, stride_kt,
+                    stride_kh,
                     stride_vt, stride_vh, stride_cos, stride_ot, stride_oh, stride_kn,
                     stride_kg, stride_vn, stride_vg, HEADS: tl.constexpr,
                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_REST: tl.constexpr,
-                    BLOCK_V: tl.constexpr):
+                    BLOCK_V: tl.constexpr, ANCHORED: tl.constexpr):
     """One program per (token, head) of the h + h_kv heads: q heads rotate into q_out, key
     heads rotate into the store (their values copied beside them)."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if ANCHORED:                          # the store where it is now, from fixed anchors
+        keys_ptr += tl.load(kv_offsets_ptr)
+        values_ptr += tl.load(kv_offsets_ptr + 1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + offs)
@@ -125,11 +129,13 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int, interleaved: bool,
-            keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+            kv_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """q `[T, h, d]`, k `[T, h_kv, d]`, v `[T, h_kv, dv]` (heads may be views of one qkv row);
     `cos`, `sin` `[P, r]` the rotary tables, read at `positions [T]`. Rotated k and v go to
     `keys [S, h_kv, d]` and `values [S, h_kv, dv]` at `slots [T]`; returns rotated q `[T, h,
-    d]` (contiguous)."""
+    d]` (contiguous). `kv_offsets`: as decode attention's (mox.kernels.attention_triton),
+    the store that many elements past `keys` and `values`."""
     assert q.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
     num_tokens, heads, dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[2]
@@ -143,10 +149,11 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     if num_tokens:
         _rope_kv_kernel[(num_tokens, heads + kv_heads)](
             q, k, v, cos, sin, positions, slots, q_out, keys, values,
+            keys if kv_offsets is None else kv_offsets,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), q_out.stride(0), q_out.stride(1), keys.stride(0), keys.stride(1),
             values.stride(0), values.stride(1), HEADS=heads, KV_HEADS=kv_heads,
             HEAD_DIM=dim, VALUE_DIM=value_dim, HALF=half, INTERLEAVED=interleaved,
             BLOCK_REST=triton.next_power_of_2(max(dim - rotary_dim, 1)),
-            BLOCK_V=triton.next_power_of_2(value_dim))
+            BLOCK_V=triton.next_power_of_2(value_dim), ANCHORED=kv_offsets is not None)
     return q_out

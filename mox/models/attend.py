@@ -31,13 +31,18 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
     if batch.key_ranges is not None and sinks is None and expand is None:
         # decode: the keys read in place from the store, no gathered or padded copies
         # (C on a CPU, Triton on a GPU)
-        kernel = (native.kernels().decode_attention if native.takes_attention(q, batch.kv)
-                  else decode_attention_triton if triton_ops.takes(q) else None)
-        if kernel is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        starts, lengths = batch.key_ranges
+        if native.takes_attention(q, batch.kv):
             keys, values = batch.kv.rows(layer)
-            starts, lengths = batch.key_ranges
-            return kernel(q.contiguous(), keys, values, batch.kv_slots, starts, lengths,
-                          q.shape[-1] ** -0.5 if scale is None else scale, window).to(q.dtype)
+            return native.kernels().decode_attention(q.contiguous(), keys, values,
+                                                     batch.kv_slots, starts, lengths, scale,
+                                                     window).to(q.dtype)
+        if triton_ops.takes(q):
+            keys, values, offsets = batch.kv_rows(layer)
+            return decode_attention_triton(q.contiguous(), keys, values, batch.kv_slots,
+                                           starts, lengths, scale, window,
+                                           kv_offsets=offsets).to(q.dtype)
     pad = batch.padded_layout()
     if pad is not None:
         return _attend_padded(batch, pad, layer, q, window, scale, sinks, expand)

@@ -63,10 +63,10 @@ def _rotate_and_store(rotary: Rotary, batch: ForwardBatch, layer: int, q: torch.
     reference rotation and an indexed copy."""
     if triton_ops.takes(q) and triton_ops.takes_rope(rotary.rope.rotary_dim):
         rotary.reserve(batch.max_position + 1)
-        keys, values = batch.kv.rows(layer)
+        keys, values, offsets = batch.kv_rows(layer)
         return triton_ops.rope_kv(q, k, v, rotary.cos, rotary.sin, batch.positions,
                                   rotary.rope.rotary_dim, rotary.rope.interleaved, keys,
-                                  values, batch.slot_mapping)
+                                  values, batch.slot_mapping, kv_offsets=offsets)
     tables = batch.rotary_tables(rotary)
     if native.takes_rope(q, k, v, batch.kv):
         keys, values = batch.kv.rows(layer)

@@ -9,11 +9,14 @@ replayed: one launch instead of ~1,000.
   experts the step marks used are the batch's.
 - Inputs: a replay reads static buffers; before each, the batch's index tensors and the
   expert table's rows (`row_of`, the row offsets) are copied into them (device to device).
-- What a graph bakes in: every other address it reads: the expert pools, the KV store, the
-  rotary tables and the buffers' sizes (`_baked`). A step that finds one moved (the pool
-  grew, the KV store was released and allocated again) drops every graph and captures anew;
-  each capture is counted (`PagerStats.graph_captures`, and its seconds in the step's
-  timeline line). Parking the model drops them (`MoEDecoder.drop_graphs`).
+- The KV store moves: it grows by doubling and is released while the model has no
+  sequence. So the step reads it from fixed anchors plus each layer's offsets to its rows
+  (`KVAnchor`, set before each replay), and its moves cost no capture.
+- What a graph bakes in besides: the expert pools, the rotary tables and the buffers' sizes
+  (`_baked`). A step that finds one moved (the pool was resized, the tables grew) drops
+  every graph and captures anew; each capture is counted (`PagerStats.graph_captures`, and
+  its seconds in the step's timeline line). Parking the model drops them
+  (`MoEDecoder.drop_graphs`).
 - `GraphCapture` is the mechanism: `CudaGraphCapture` on a GPU; `EagerCapture` on a CPU, where
   a "replay" runs the step again over the same static buffers, so the CPU suite checks the
   padding, the buffers and the bookkeeping (with the Triton kernels under the interpreter).
@@ -35,7 +38,7 @@ import torch
 
 from mox.kernels import ExpertRows
 from mox.models.forward_batch import ForwardBatch
-from mox.models.kv_store import KVStore
+from mox.models.kv_store import KVAnchor, KVStore
 from mox.models.rotary import Rotary
 from mox.pager import ModelPool
 from mox.pager.expert_table import ExpertMap
@@ -44,6 +47,7 @@ from mox.pager.model_pool import Hold
 # Padded batch sizes a graph is captured for (vLLM's are similar): up to the table path's
 # largest decode batch (TABLE_STEP_MAX_TOKENS); a size is captured when a batch first needs it.
 CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+MIN_KV_CAPACITY = 4096            # keys the static slot buffer holds at first (it doubles)
 
 Step = Callable[[], torch.Tensor]
 # the model's step through the table: (batch, hold, used [L, E]) -> logits [T, V] f32
@@ -88,17 +92,19 @@ class CudaGraphCapture:
         self.device = device
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._side = torch.cuda.Stream(device)      # (one: the allocator pools per stream)
 
     def capture(self, step: Step) -> Step:
         # warm-up on a side stream first: Triton compiles, cuBLAS picks its kernels and
         # workspaces, and the caching allocator settles before anything is recorded
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
             step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the pager's I/O threads keep copying experts in on their own streams
+        # (and pinning buffers) while this thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = step()
         self._graphs.append(graph)
 
@@ -131,9 +137,11 @@ class StaticInputs:
     kv_slots: torch.Tensor           # [capacity]
     table: ExpertMap                 # row_of [L, E] and the row offsets [R], static
     used: torch.Tensor               # [L, E] the experts the step computed (read back)
+    kv: KVAnchor                     # the KV store from fixed anchors
 
     @staticmethod
-    def allocate(table: ExpertMap, kv_capacity: int, device: torch.device) -> StaticInputs:
+    def allocate(table: ExpertMap, kv: KVStore, kv_capacity: int,
+                 device: torch.device) -> StaticInputs:
         def index(size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=torch.int64, device=device)
 
@@ -145,7 +153,7 @@ class StaticInputs:
         largest = CAPTURE_SIZES[-1]
         return StaticInputs(index(largest), index(largest), index(largest), index(largest),
                             index(largest), index(kv_capacity), static,
-                            torch.zeros_like(table.row_of))
+                            torch.zeros_like(table.row_of), kv.anchor())
 
 
 def _load(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
@@ -165,7 +173,9 @@ class DecodeGraphs:
         self._replays: dict[int, Step] = {}
         self._baked: tuple | None = None
         self._inputs: StaticInputs | None = None
-        self._hold: Hold | None = None           # the pools and static table the graphs read
+        # the live hold with the static table, during a step (an EagerCapture's replay runs
+        # the step again; nothing keeps the pools alive between steps)
+        self._hold: Hold | None = None
         # the table whose rows the buffers hold (weakly: its mapped host bytes may go)
         self._loaded: weakref.ref[ExpertMap] | None = None
         self._kv_capacity = 0
@@ -188,16 +198,17 @@ class DecodeGraphs:
         before the next step."""
         size = capture_size(batch.num_tokens)
         self.rotary.reserve(batch.max_position + 1)     # (grown here, not inside a capture)
-        self._kv_capacity = max(self._kv_capacity, batch.kv_slots.numel(),
-                                batch.kv.num_blocks * batch.kv.block_size)
-        baked = _baked(batch, hold, self.rotary, self._kv_capacity)
+        if batch.kv_slots.numel() > self._kv_capacity:  # (doubling: few recaptures)
+            self._kv_capacity = max(batch.kv_slots.numel(), 2 * self._kv_capacity,
+                                    MIN_KV_CAPACITY)
+        baked = _baked(hold, self.rotary, self._kv_capacity)
         if baked != self._baked:
             self.drop()
             self._baked = baked
-            self._inputs = StaticInputs.allocate(hold.table, self._kv_capacity,
+            self._inputs = StaticInputs.allocate(hold.table, batch.kv, self._kv_capacity,
                                                  batch.input_ids.device)
-            self._hold = replace(hold, table=self._inputs.table, used=[], device_used=None)
         inputs = self._inputs
+        inputs.kv.follow(batch.kv)
         for dst, src in ((inputs.input_ids, batch.input_ids), (inputs.positions, batch.positions),
                          (inputs.slot_mapping, batch.slot_mapping),
                          (inputs.starts, batch.key_ranges[0]),
@@ -209,28 +220,35 @@ class DecodeGraphs:
             inputs.table.row_of.copy_(hold.table.row_of)
             for dst, src in zip(_offsets(inputs.table.rows), _offsets(hold.table.rows)):
                 dst.copy_(src)
-        replay = self._replays.get(size)
-        if replay is None:
-            started = time.perf_counter()
-            try:
-                replay = self.capture.capture(lambda: self._forward(size, batch.kv))
-            except Exception as exc:
-                raise GraphCaptureError(f"capturing a decode step of {size} rows: "
-                                        f"{type(exc).__name__}: {exc}") from exc
-            self._replays[size] = replay
-            self.pool.count_graph_capture(time.perf_counter() - started)
+        self._hold = replace(hold, table=inputs.table, used=[], device_used=None)
+        try:
+            replay = self._replays.get(size)
+            if replay is None:
+                started = time.perf_counter()
+                try:
+                    replay = self.capture.capture(lambda: self._forward(size, batch.kv))
+                except Exception as exc:
+                    raise GraphCaptureError(f"capturing a decode step of {size} rows: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+                self._replays[size] = replay
+                self.pool.count_graph_capture(time.perf_counter() - started)
+            logits = replay()[:batch.num_tokens]
+        finally:
+            self._hold = None
         hold.device_used = inputs.used
-        return replay()[:batch.num_tokens]
+        return logits
 
     def _forward(self, size: int, kv: KVStore) -> torch.Tensor:
         """The step over the static buffers at `size` rows: logits `[B, V]` f32 (what a
-        graph records; a fresh batch each call, as its memos must be recorded too)."""
+        graph records; a fresh batch each call, as its memos must be recorded too). The
+        store is read through the anchors only (`kv` gives its shapes)."""
         inputs = self._inputs
         none = inputs.input_ids[:0]                  # (q_seq, kv_seq, kv_pos: unread here)
         batch = ForwardBatch(inputs.input_ids[:size], inputs.positions[:size], none,
                              inputs.slot_mapping[:size], inputs.kv_slots, none, none, kv,
                              max_position=self.rotary.num_positions - 1,
-                             key_ranges=(inputs.starts[:size], inputs.lengths[:size]))
+                             key_ranges=(inputs.starts[:size], inputs.lengths[:size]),
+                             kv_anchor=inputs.kv)
         inputs.used.zero_()
         return self.forward(batch, self._hold, inputs.used)
 
@@ -245,11 +263,11 @@ def _offsets(rows: ExpertRows) -> list[torch.Tensor]:
     return [t for t in (rows.w13, rows.w2, rows.s13, rows.s2) if t is not None]
 
 
-def _baked(batch: ForwardBatch, hold: Hold, rotary: Rotary, kv_capacity: int) -> tuple:
+def _baked(hold: Hold, rotary: Rotary, kv_capacity: int) -> tuple:
     """The addresses and sizes a captured step reads besides its static inputs."""
-    kv, rows = batch.kv, hold.table.rows
-    return (tuple(t.data_ptr() for t in (hold.w13, hold.w2, *kv.keys, *kv.values)),
+    rows = hold.table.rows
+    return (hold.w13.data_ptr(), hold.w2.data_ptr(),
             None if hold.scales is None else (hold.scales.w13.data_ptr(),
                                               hold.scales.w2.data_ptr()),
             hold.table.row_of.shape, rows.num_rows, rows.aligned, kv_capacity,
-            rotary.cos.data_ptr())
+            rotary.cos.data_ptr(), rotary.sin.data_ptr())

@@ -303,11 +303,12 @@ class MoEDecoder:
 
     def use_graphs(self, capture: GraphCapture | None) -> None:
         """Decode steps through the table replayed as graphs captured by `capture` (None:
-        run eagerly). Only where attention reads the KV store in place (the Triton decode
-        kernel): MLA's expansion and GPT-OSS's sinks gather keys in shapes set on the host."""
+        run eagerly). Only where the Triton kernels write and read the KV store in place
+        (RoPE with the KV write, decode attention): MLA's expansion and GPT-OSS's sinks
+        gather keys in shapes set on the host."""
         self.drop_graphs()
-        in_place = self.spec.mla is None and all(layer.attention.sinks is None
-                                                 for layer in self.layers)
+        in_place = (self.spec.mla is None and triton_ops.takes_rope(self.rotary.rope.rotary_dim)
+                    and all(layer.attention.sinks is None for layer in self.layers))
         self.graphs = (DecodeGraphs(capture, self._graph_forward, self.rotary, self.experts)
                        if capture is not None and in_place else None)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mox.kernels.native_step import DecodeRows
-from mox.models.kv_store import KVStore
+from mox.models.kv_store import KVAnchor, KVStore
 from mox.models.rotary import Rotary
 
 
@@ -76,11 +76,21 @@ class ForwardBatch:
     # one new token (decode), whose keys are then one run each
     key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None
     ahead: DecodeAhead | None = None         # set when the batch runs several decode steps
+    # (graphs) the store as the Triton kernels address it from fixed anchors: `kv_rows`
+    kv_anchor: KVAnchor | None = None
     _memo: dict = field(default_factory=dict, repr=False)   # per-batch memo: masks, rotary
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def kv_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer's keys `[N, h_kv, d]` and values `[N, h_kv, dv]` for the Triton kernels,
+        and None; or, with `kv_anchor`, the anchors and the layer's offsets `[2]` from them."""
+        if self.kv_anchor is None:
+            return *self.kv.rows(layer), None
+        anchor = self.kv_anchor
+        return anchor.keys, anchor.values, anchor.offsets[layer]
 
     def padded_layout(self) -> PaddedLayout | None:
         """The per-sequence layout, if this batch has one (built now if it was deferred)."""

@@ -18,6 +18,8 @@ T new tokens, K keys.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mox.pager.mapped import MappedTensor
@@ -101,7 +103,38 @@ class KVStore:
         keys.index_copy_(0, slots, k)
         values.index_copy_(0, slots, v)
 
+    def anchor(self) -> KVAnchor:
+        """Fixed tensors laid out as one slot of this store's keys and values, and the
+        offsets from them to each layer's rows (`KVAnchor.follow` sets them)."""
+        device = self.device
+        return KVAnchor(
+            torch.empty(1, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=device),
+            torch.empty(1, self.num_kv_heads, self.value_dim, dtype=self.dtype, device=device),
+            torch.zeros(self.num_layers, 2, dtype=torch.int64, device=device))
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys `[K, h_kv, d]` and values `[K, h_kv, dv]` at flat `slots` `[K]`."""
         keys, values = self.rows(layer)
         return keys.index_select(0, slots), values.index_select(0, slots)
+
+
+@dataclass(frozen=True)
+class KVAnchor:
+    """A KV store addressed from anchors that never move (a CUDA graph bakes every address it
+    reads; the store grows and is released and allocated again): the Triton kernels read
+    layer l's rows `offsets[l]` elements past the anchors (mox.models.decode_graphs)."""
+
+    keys: torch.Tensor              # [1, h_kv, d]
+    values: torch.Tensor            # [1, h_kv, dv]
+    offsets: torch.Tensor           # [L, 2] int64: to each layer's keys, values
+
+    def follow(self, store: KVStore) -> None:
+        """Point the offsets at the store's rows as they are now."""
+        size = self.keys.element_size()
+        deltas = []
+        for keys, values in zip(store.keys, store.values):
+            delta = (keys.data_ptr() - self.keys.data_ptr(), values.data_ptr()
+                     - self.values.data_ptr())
+            assert delta[0] % size == 0 and delta[1] % size == 0, "store not dtype-aligned"
+            deltas.append((delta[0] // size, delta[1] // size))
+        self.offsets.copy_(torch.tensor(deltas, dtype=torch.int64))

@@ -66,3 +66,21 @@ def test_heads_that_do_not_share_kv_heads_evenly_are_refused():
     with pytest.raises(ValueError, match="h=6 over h_kv=4"):
         decode_attention_triton(q[:, :6], keys.repeat(1, 2, 1), values.repeat(1, 2, 1), slots,
                                 starts, lengths, 1.0, None)
+
+
+def _offsets(anchor: torch.Tensor, target: torch.Tensor) -> int:
+    return (target.data_ptr() - anchor.data_ptr()) // target.element_size()
+
+
+def test_a_store_read_from_anchors_and_offsets_is_the_store():
+    """What a CUDA-graphed step passes (mox.models.kv_store.KVAnchor): fixed anchors laid out
+    as one slot, and the offsets to wherever the store is now."""
+    q, keys, values, slots, starts, lengths = (a.to(DEVICE) for a in _problem(
+        torch.float32, 32, 24, lengths=[3, 50]))
+    want = decode_attention_triton(q, keys, values, slots, starts, lengths, 0.2, None)
+    anchor_k, anchor_v = torch.empty_like(keys[:1]), torch.empty_like(values[:1])
+    offsets = torch.tensor([_offsets(anchor_k, keys), _offsets(anchor_v, values)],
+                           device=DEVICE)
+    got = decode_attention_triton(q, anchor_k, anchor_v, slots, starts, lengths, 0.2, None,
+                                  kv_offsets=offsets)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -80,6 +80,16 @@ def test_rope_kv_equals_rotating_then_writing(heads, kv_heads, head_dim, rotary_
     torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(keys, want_keys, atol=1e-5, rtol=1e-5)   # others untouched
     assert torch.equal(values, want_values)
+    # from fixed anchors and offsets to the store (a CUDA-graphed step: KVAnchor)
+    anchored_keys, anchored_values = keys.clone().fill_(0), values.clone().fill_(0)
+    anchor_k, anchor_v = torch.empty_like(keys[:1]), torch.empty_like(values[:1])
+    offsets = torch.tensor([(t.data_ptr() - a.data_ptr()) // 4 for t, a in
+                            ((anchored_keys, anchor_k), (anchored_values, anchor_v))],
+                           device=DEVICE)
+    triton_ops.rope_kv(q, k, v, rotary.cos, rotary.sin, positions, rotary_dim, interleaved,
+                       anchor_k, anchor_v, slots, kv_offsets=offsets)
+    assert torch.equal(anchored_keys[slots], keys[slots])
+    assert torch.equal(anchored_values[slots], values[slots])
 
 
 def test_the_model_norm_takes_the_triton_op_where_it_serves(monkeypatch):
