@@ -531,3 +531,34 @@ def test_a_busy_models_run_size_holds_for_its_turn(hf_checkpoints, monkeypatch):
     assert run_size() == 12
     learned["a"] = 8
     assert run_size() == 12
+
+
+def test_parking_drops_a_models_decode_graphs_and_its_next_turn_captures_anew(
+        hf_checkpoints, monkeypatch):
+    """Decode graphs (the GPU's, stood in for on the CPU: mox.models.decode_graphs) follow the
+    router: captured in a warm model's first decode steps, dropped when it is parked, and
+    captured anew, and counted in the step log, when it comes back."""
+    from mox.kernels import triton_ops
+    from mox.models import loading
+    from mox.models.decode_graphs import EagerCapture
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)
+    monkeypatch.setattr(loading, "default_capture", lambda device: EagerCapture())
+    clock = FakeClock()
+    router = _router(hf_checkpoints, names=("a",), clock=clock, experts=16, dense_idle_s=30.0)
+    pool = router.models["a"].pool
+    pool.maps_host_experts = True                  # the table path (every expert resident)
+    tokens = []
+    for turn in range(2):
+        router.add_request(Request(f"a{turn}", "a", [3, 4, 5], _params(4)))
+        outputs = _run(router, clock, _finished([f"a{turn}"]))
+        tokens.append([t for out in outputs[f"a{turn}"] for t in out.new_token_ids])
+        decoder = router.models["a"].decoder
+        assert decoder.graphs.sizes == [1]
+        assert pool.stats()["graph_captures"] == turn + 1
+        clock.now += 31.0
+        router.step()                                              # idle: parked
+        assert router.models["a"].state == ModelState.COLD
+        assert decoder.graphs.sizes == []                          # its graphs dropped
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 4
+    captured = [r for r in router.timeline.records if r.capture_seconds > 0]
+    assert len(captured) == 2 and all(r.num_seqs == 1 for r in captured)
