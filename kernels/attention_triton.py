@@ -68,21 +68,23 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, kv_offsets_ptr, out_ptr, slots
         top = new_top
     out = acc / total[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-             out, mask=g_ok[:, None] & dv_ok[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
 
 
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
                             scale: float, window: int | None,
                             block_n: int | None = None,
-                            kv_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                            kv_offsets: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q `[T, h, d]`; `keys [N, h_kv, d]`, `values [N, h_kv, dv]`: the layer's store as flat
     slots, rows contiguous per head; token t attends to the keys at
-    `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]` f32.
+    `slots[starts[t]:starts[t] + lengths[t]]` (their last `window`) -> `[T, h, dv]`.
     `block_n`: keys a block (default: as many as keep a block's [G, N, D] products within
     REGISTER_VALUES). `kv_offsets` (`[2]` int64, on the device): the store is read that many
     elements past `keys` and `values`, which are then anchors laid out as its rows (a CUDA
-    graph bakes the anchors' addresses, and the store may move between replays)."""
+    graph bakes the anchors' addresses, and the store may move between replays).
+    `out_dtype`: the result's, rounded in the kernel (saves a cast kernel)."""
     num_tokens, heads, dim = q.shape
     kv_heads, value_dim = keys.shape[1], values.shape[2]
     assert q.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
@@ -92,7 +94,7 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     for t in (q, keys, values):
         if t.stride(-1) != 1:
             raise ValueError("decode attention takes rows contiguous per head")
-    out = torch.empty(num_tokens, heads, value_dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(num_tokens, heads, value_dim, dtype=out_dtype, device=q.device)
     group = heads // kv_heads
     block_g = max(triton.next_power_of_2(group), 2)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(value_dim)

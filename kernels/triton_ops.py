@@ -1,11 +1,13 @@
 """A GPU decode step's small ops fused in Triton (issue 20): a CUDA graph replays every kernel
 of a step back to back, each a few microseconds however small, so at batch 1 their number
-bounds the step. torch spends seven kernels on an RMSNorm and about ten on rotating q and k
-and storing K/V; here each is one.
+bounds the step. torch spends seven kernels on an RMSNorm, about ten on rotating q and k
+and storing K/V, and four on a softmax router's choice; here each is one.
 
 - `rms_norm`: `weight * (x / rms(x))` per row, the normalization in fp32 and the scaling in
   the input dtype, as HF does; optionally after adding a residual (`x + r`, rounded to the
   dtype as torch's add is), returning the sum too.
+- `softmax_topk`: a softmax router's top-k experts and weights (optionally renormalized and
+  scaled), marking the experts chosen.
 - `rope_kv`: RoPE on q and k from the rotary tables at each token's position (halves, or
   interleaved pairs listed evens then odds, as mox.models.rotary does; the dims past
   `rotary_dim` kept), then k and v stored at each token's KV slot.
@@ -28,6 +30,57 @@ def takes(x: torch.Tensor) -> bool:
     """Whether the Triton ops serve this tensor's step (a GPU; the CPU tests stand one in
     by patching this under the interpreter)."""
     return x.is_cuda
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, mark_ptr, num_experts, stride_l,
+                         scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, RENORM: tl.constexpr, MARK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=float("-inf"))
+    x = x.to(tl.float32)
+    e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    total = tl.sum(e, axis=0)
+    slot = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    for j in tl.static_range(K):          # the largest left, ties to the lower id (as top_k)
+        best = tl.argmax(x, axis=0, tie_break_left=True)
+        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, e, 0.0), axis=0) / total,
+                           weights)
+        ids = tl.where(slot == j, best.to(tl.int32), ids)
+        x = tl.where(offs == best, float("-inf"), x)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    k_ok = slot < K
+    tl.store(weights_ptr + row * K + slot, weights * scaling, mask=k_ok)
+    tl.store(ids_ptr + row * K + slot, ids, mask=k_ok)
+    if MARK:
+        tl.store(mark_ptr + ids, tl.full((BLOCK_K,), 1, tl.int32), mask=k_ok)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scaling: float = 1.0,
+                 mark: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """mox.kernels.routing.softmax_topk (then times `scaling`) in one kernel: weights `[T, k]`
+    f32 and ids `[T, k]` int32 from router logits `[T, E]`, the experts chosen by their logits
+    (the probabilities' order; equal logits go to the lower id, as top_k's; two logits so
+    close that their probabilities round equal go to the larger, where top_k takes the
+    lower id). `mark [E]` (int32): set to 1 where some token chose the expert."""
+    assert logits.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    num_tokens, num_experts = logits.shape
+    assert logits.stride(1) == 1 and 0 < k <= num_experts, (logits.shape, k)
+    assert mark is None or (mark.shape == (num_experts,) and mark.dtype == torch.int32)
+    weights = torch.empty(num_tokens, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _softmax_topk_kernel[(num_tokens,)](
+            logits, weights, ids, ids if mark is None else mark, num_experts, logits.stride(0),
+            scaling, K=k, BLOCK_K=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(num_experts), RENORM=renormalize,
+            MARK=mark is not None)
+    return weights, ids
 
 
 def takes_rope(rotary_dim: int) -> bool:

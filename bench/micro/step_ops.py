@@ -5,6 +5,7 @@ that would launch a kernel on a GPU (views and metadata ops excluded) and its Tr
 per layer and in all, by op.
 
     TRITON_INTERPRET=1 python -m mox.bench.micro.step_ops [--arch olmoe] [--seqs 8]
+        [--dtype bfloat16]
 
 A graph replay still runs every one of these kernels back to back; each costs ~2-4 us on a
 GPU however small, so at batch 1 their number, not the bytes read, bounds a replayed step.
@@ -72,8 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="olmoe")
     parser.add_argument("--seqs", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    os.environ["MOX_NATIVE_KERNELS"] = "0"      # (bf16 on a CPU would decode natively)
     from mox import LLM
     from mox.demo import demo_name, ensure_demo_models
     from mox.kernels import triton_ops
@@ -81,7 +84,7 @@ def main() -> None:
     triton_ops.takes = lambda x: True                      # the GPU's paths
     with tempfile.TemporaryDirectory() as home:
         path = ensure_demo_models(home, architectures=(args.arch,))[demo_name(args.arch)]
-        llm = LLM(path, dtype="float32")
+        llm = LLM(path, dtype=args.dtype)
         model = llm.model
         model.experts.maps_host_experts = True
         counter = OpCounter()
@@ -107,8 +110,8 @@ def main() -> None:
     assert counter.steps == 1, counter.steps
     layers = model.spec.num_layers
     total = sum(steps.values())
-    print(f"{args.arch}, {args.seqs} sequences: {total} kernels in the step's layers, "
-          f"{total / layers:.1f} a layer ({layers} layers)")
+    print(f"{args.arch}, {args.dtype}, {args.seqs} sequences: {total} kernels in the step's "
+          f"layers, {total / layers:.1f} a layer ({layers} layers)")
     for name, count in steps.most_common():
         print(f"  {count / layers:6.2f} / layer  {name}")
 

@@ -42,7 +42,7 @@ def attend(batch: ForwardBatch, layer: int, q: torch.Tensor, window: int | None,
             keys, values, offsets = batch.kv_rows(layer)
             return decode_attention_triton(q.contiguous(), keys, values, batch.kv_slots,
                                            starts, lengths, scale, window,
-                                           kv_offsets=offsets).to(q.dtype)
+                                           kv_offsets=offsets, out_dtype=q.dtype)
     pad = batch.padded_layout()
     if pad is not None:
         return _attend_padded(batch, pad, layer, q, window, scale, sinks, expand)

@@ -21,6 +21,7 @@ from mox.kernels import (
     softmax_group_limited_topk,
     softmax_topk,
     topk_softmax,
+    triton_ops,
 )
 from mox.kernels.native_moe import MoELayer, moe_layer
 from mox.loaders.spec import (
@@ -45,14 +46,28 @@ class MoEWeights:
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
 
 
-def route(spec: ModelSpec, w: MoEWeights,
-          x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[T, H]` -> top-k weights `[T, k]` f32 and expert ids `[T, k]` int32."""
+def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor,
+          mark: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, H]` -> top-k weights `[T, k]` f32 and expert ids `[T, k]` int32. `mark [E]`
+    (int32): set to 1 where a token chose the expert."""
     router = spec.router
     if router.fp32:
         logits = linear(x.float(), w.router.float(), w.router_bias)         # [T, E]
     else:
         logits = linear(x, w.router, w.router_bias)
+    if router.scoring == ROUTING_SOFTMAX and triton_ops.takes(logits):     # (one kernel)
+        return triton_ops.softmax_topk(logits, spec.top_k, spec.norm_topk_prob,
+                                       router.routed_scaling_factor, mark=mark)
+    weights, ids = _route_logits(spec, w, logits)
+    if mark is not None:
+        mark.index_fill_(0, ids.reshape(-1).long(), 1)
+    return weights, ids
+
+
+def _route_logits(spec: ModelSpec, w: MoEWeights,
+                  logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` from the router's logits `[T, E]`."""
+    router = spec.router
     native_routing = _native_routing(spec)
     if native_routing is not None and native.takes_routing(logits):
         return native.kernels().route(logits, spec.top_k, *native_routing)
@@ -163,13 +178,12 @@ def table_moe_block(spec: ModelSpec, w: MoEWeights, hold: Hold, h: torch.Tensor,
     pager's expert table (`hold.table`, complete: each expert in a slot or mapped from the
     pinned host cache), so nothing asks the host; the experts it computes are marked in
     `used [L, E]` on the device (the pager reads it back when the hold ends)."""
-    weights, ids = route(spec, w, h)                                       # [T, k]
+    weights, ids = route(spec, w, h, mark=used[w.moe_layer])               # [T, k]
     table = hold.table
+    # (one wave: the sum rounded once to h's dtype, as the waves' is)
     out = fused_moe(h, hold.w13, hold.w2, weights, ids, table.row_of[w.moe_layer],
-                    spec.activation, backend="triton", out_dtype=torch.float32,
-                    scales=hold.scales, rows=table.rows)
-    used[w.moe_layer].index_fill_(0, ids.reshape(-1).long(), 1)   # (no host value: graphs)
-    return x + _add_shared(w, h, out.to(h.dtype))        # rounded once, as the waves' sum
+                    spec.activation, backend="triton", scales=hold.scales, rows=table.rows)
+    return x + _add_shared(w, h, out)
 
 
 def activation(spec: ModelSpec) -> Activation:

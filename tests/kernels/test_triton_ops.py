@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mox.kernels import triton_ops
+from mox.kernels import softmax_topk, triton_ops
 from mox.loaders.rope import RopeSpec
 from mox.models.layers import rms_norm
 from mox.models.rotary import Rotary
@@ -102,3 +102,21 @@ def test_the_model_norm_takes_the_triton_op_where_it_serves(monkeypatch):
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), _torch_rms_norm(x, weight, 1e-6),
                                atol=1e-5, rtol=1e-5)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("experts, k, renormalize, scaling", [
+    (8, 2, False, 1.0), (60, 4, True, 1.0), (64, 8, True, 2.5), (5, 5, False, 1.0)])
+def test_softmax_topk_equals_the_torch_routing(experts, k, renormalize, scaling):
+    gen = torch.Generator().manual_seed(experts + k)
+    logits = torch.randn(19, experts, generator=gen)
+    logits[3] = 0.5                                  # a row of ties: the lowest ids, in order
+    logits[4, : experts // 2] = logits[4, experts // 2: 2 * (experts // 2)]   # pairs tie
+    logits = logits.to(torch.bfloat16).to(DEVICE)    # (bf16 logits tie often)
+    want_w, want_ids = softmax_topk(logits, k, renormalize)
+    mark = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    got_w, got_ids = triton_ops.softmax_topk(logits, k, renormalize, scaling, mark=mark)
+    assert torch.equal(got_ids, want_ids) and got_ids.dtype == torch.int32
+    torch.testing.assert_close(got_w, want_w * scaling, atol=1e-6, rtol=1e-5)
+    chosen = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    chosen[want_ids.reshape(-1).long()] = 1
+    assert torch.equal(mark, chosen)
