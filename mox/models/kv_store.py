@@ -18,7 +18,7 @@ T new tokens, K keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -127,9 +127,15 @@ class KVAnchor:
     keys: torch.Tensor              # [1, h_kv, d]
     values: torch.Tensor            # [1, h_kv, dv]
     offsets: torch.Tensor           # [L, 2] int64: to each layer's keys, values
+    _followed: list[int] = field(default_factory=list)   # the store's addresses they point at
 
     def follow(self, store: KVStore) -> None:
-        """Point the offsets at the store's rows as they are now."""
+        """Point the offsets at the store's rows as they are now (a copy to the device only
+        when the store moved)."""
+        where = [t.data_ptr() for t in (*store.keys, *store.values)]
+        if where == self._followed:
+            return
+        self._followed[:] = where
         size = self.keys.element_size()
         deltas = []
         for keys, values in zip(store.keys, store.values):
