@@ -139,8 +139,9 @@ class MoEDecoder:
                      ) -> Generator[ReadsPending | None, None, None]:
         """Forward passes of `batch`, each step's logits `[S, V]` f32 handed to `pick`, which
         returns the next step's input ids `[S]` or None to stop: one step, or as many as
-        `batch.ahead` plans where a CPU decode chains its layers natively (elsewhere the
-        first step runs and the batch ends there). Yields as `forward_steps` does."""
+        `batch.ahead` plans where a CPU decode chains its layers natively or a GPU decode
+        replays its graphs (elsewhere the first step runs and the batch ends there). Yields
+        as `forward_steps` does."""
         x = F.embedding(batch.input_ids, self.embed)                                  # [T, H]
         # (every layer's attention has the same shapes and dtype: one answer for the batch)
         native_block = self.spec.mla is None and takes_block(self.layers[0].attention, x, batch)
@@ -150,9 +151,7 @@ class MoEDecoder:
             return
         if self.experts.maps_host_experts and x.shape[0] <= TABLE_STEP_MAX_TOKENS:
             if self.graphs is not None and self.graphs.serves(batch):
-                logits = self._graph_step(batch)
-                if logits is not None:
-                    pick(logits)
+                if self._graph_steps(batch, pick):
                     return
             x = yield from self._table_layers(x, batch)
         else:
@@ -279,8 +278,32 @@ class MoEDecoder:
                 x = x + layer.mlp(h)
         return x
 
+    def _graph_steps(self, batch: ForwardBatch,
+                     pick: Callable[[torch.Tensor], torch.Tensor | None]) -> bool:
+        """The batch's decode steps replayed from their graphs, `batch.ahead`'s back to back
+        (each under its own hold: the experts it used counted, the table refreshed for the
+        next); False where the first finds some expert's bytes only on disk (nothing ran:
+        the caller pages). A later step that finds one ends the run there (the engine's next
+        step pages it)."""
+        step, ahead, next_ids = batch, batch.ahead, batch.input_ids
+        for j in range(1 if ahead is None else ahead.positions.shape[0]):
+            if j:
+                positions = ahead.positions[j]
+                step = replace(batch, input_ids=next_ids, positions=positions,
+                               slot_mapping=ahead.slot_mapping[j], kv_slots=ahead.kv_slots,
+                               key_ranges=(ahead.starts, positions + 1),
+                               max_position=ahead.max_position, ahead=None, padded=None,
+                               _memo={})
+            logits = self._graph_step(step)
+            if logits is None:
+                return j > 0
+            next_ids = pick(logits)
+            if next_ids is None:
+                break
+        return True
+
     def _graph_step(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """The decode step replayed from its CUDA graph: its logits `[S, V]`, or None where
+        """One decode step replayed from its CUDA graph: its logits `[S, V]`, or None where
         some expert's bytes are only on disk (the step then pages)."""
         with self.experts.holding(table=True) as hold:
             if not hold.table.complete:

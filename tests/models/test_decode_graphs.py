@@ -6,6 +6,8 @@ interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,8 +172,9 @@ def test_moved_pools_recapture_and_parking_drops_the_graphs(model):
 
 
 def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatch):
-    """Batches of five and two sequences (capture sizes 8 and 2); each sequence's first token
-    comes from an eager prefill."""
+    """Batches of five and two sequences (capture sizes 8 and 2), their decode steps run back
+    to back (the engine's multi-step decode); each sequence's first token comes from an
+    eager prefill."""
     monkeypatch.setattr(triton_ops, "takes", lambda x: True)
     llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
               host_memory="64MiB")
@@ -184,10 +187,20 @@ def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatc
                 for out in llm.generate(prompt_token_ids=prompts, max_tokens=5,
                                         temperature=0.0, ignore_eos=True)]
 
+    # (runs of any length: the interpreter's steps are slow, and `decode_run_s` counts time)
+    scheduler = llm.router.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, decode_run_s=None)
     want = generate()
-    llm.model.use_graphs(EagerCapture())
+    model = llm.model
+    model.use_graphs(EagerCapture())
+    engine_steps, replays = [], []
+    graph_steps, step = model._graph_steps, model.graphs.step
+    model._graph_steps = lambda *a: engine_steps.append(1) or graph_steps(*a)
+    model.graphs.step = lambda *a: replays.append(1) or step(*a)
     assert generate() == want
-    assert llm.model.graphs.sizes == [2, 8]
+    assert model.graphs.sizes == [2, 8]
+    # a batch's decode steps replay back to back (multi-step decode: one engine step each run)
+    assert len(replays) > len(engine_steps) > 0
 
 
 class _FailingCapture:
