@@ -35,8 +35,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, kv_offsets_ptr, out_ptr, slots
                              BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr):
     token, kv_head = tl.program_id(0), tl.program_id(1)
     if ANCHORED:                          # the store where it is now, from fixed anchors
-        k_ptr += tl.load(kv_offsets_ptr)
-        v_ptr += tl.load(kv_offsets_ptr + 1)
+        # (multiples of 16 elements, as KVAnchor checks: the loads stay vectorized)
+        k_ptr += tl.multiple_of(tl.load(kv_offsets_ptr), 16)
+        v_ptr += tl.multiple_of(tl.load(kv_offsets_ptr + 1), 16)
     start = tl.load(starts_ptr + token).to(tl.int64)
     length = tl.load(lengths_ptr + token).to(tl.int64)
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
@@ -94,7 +95,9 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     for t in (q, keys, values):
         if t.stride(-1) != 1:
             raise ValueError("decode attention takes rows contiguous per head")
-    out = torch.empty(num_tokens, heads, value_dim, dtype=out_dtype, device=q.device)
+    # (the interpreter truncates to bf16 where a GPU rounds: there, f32 and a torch cast)
+    out = torch.empty(num_tokens, heads, value_dim, device=q.device,
+                      dtype=torch.float32 if is_interpreter() else out_dtype)
     group = heads // kv_heads
     block_g = max(triton.next_power_of_2(group), 2)
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(value_dim)
@@ -108,4 +111,4 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         GROUP=group, HEAD_DIM=dim, VALUE_DIM=value_dim, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_DV=block_dv, BLOCK_N=triton.next_power_of_2(block_n),
         ANCHORED=kv_offsets is not None)
-    return out
+    return out.to(out_dtype)

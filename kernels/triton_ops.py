@@ -41,17 +41,25 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, mark_ptr, num_experts
     ok = offs < num_experts
     x = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=float("-inf"))
     x = x.to(tl.float32)
+    # a NaN logit makes every probability NaN in torch's softmax, and its stable sort then
+    # keeps the ids in order: every expert ties here, so the lowest ids are chosen
+    nan_row = tl.max(tl.where(ok & (x != x), 1, 0), axis=0) > 0
+    x = tl.where(nan_row & ok, float("inf"), x)
     e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
     total = tl.sum(e, axis=0)
     slot = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), tl.float32)
     ids = tl.zeros((BLOCK_K,), tl.int32)
-    for j in tl.static_range(K):          # the largest left, ties to the lower id (as top_k)
-        best = tl.argmax(x, axis=0, tie_break_left=True)
+    left = ok                                  # experts not chosen yet
+    for j in tl.static_range(K):
+        # the largest left, ties (-inf ones too) to the lowest id, as top_k's stable sort;
+        # by an explicit min over ids, not argmax's tie rule (which the interpreter ignores)
+        top = tl.max(tl.where(left, x, float("-inf")), axis=0)
+        best = tl.min(tl.where(left & (x == top), offs, BLOCK_E), axis=0)
         weights = tl.where(slot == j, tl.sum(tl.where(offs == best, e, 0.0), axis=0) / total,
                            weights)
         ids = tl.where(slot == j, best.to(tl.int32), ids)
-        x = tl.where(offs == best, float("-inf"), x)
+        left = left & (offs != best)
     if RENORM:
         weights = weights / tl.sum(weights, axis=0)
     k_ok = slot < K
@@ -152,8 +160,8 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_
     heads rotate into the store (their values copied beside them)."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if ANCHORED:                          # the store where it is now, from fixed anchors
-        keys_ptr += tl.load(kv_offsets_ptr)
-        values_ptr += tl.load(kv_offsets_ptr + 1)
+        keys_ptr += tl.multiple_of(tl.load(kv_offsets_ptr), 16)     # (as KVAnchor checks)
+        values_ptr += tl.multiple_of(tl.load(kv_offsets_ptr + 1), 16)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + offs)

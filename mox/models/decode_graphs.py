@@ -191,16 +191,20 @@ class DecodeGraphs:
         return (batch.key_ranges is not None
                 and batch.logits_indices is None and capture_size(batch.num_tokens) is not None)
 
+    def reserve(self, num_keys: int, max_position: int) -> None:
+        """Room for a run's later steps up front (their keys and positions), so the run does
+        not capture again halfway."""
+        self.rotary.reserve(max_position + 1)
+        if num_keys > self._kv_capacity:
+            self._kv_capacity = max(num_keys, 2 * self._kv_capacity, MIN_KV_CAPACITY)
+
     def step(self, batch: ForwardBatch, hold: Hold) -> torch.Tensor:
         """Logits `[n, V]` f32 of the batch's decode step (callers check `serves`), replayed
         under `hold` (`holding(table=True)`, its table complete); the experts the step used
         are left in `hold.device_used`. The logits are the graph's output buffer: read them
         before the next step."""
         size = capture_size(batch.num_tokens)
-        self.rotary.reserve(batch.max_position + 1)     # (grown here, not inside a capture)
-        if batch.kv_slots.numel() > self._kv_capacity:  # (doubling: few recaptures)
-            self._kv_capacity = max(batch.kv_slots.numel(), 2 * self._kv_capacity,
-                                    MIN_KV_CAPACITY)
+        self.reserve(batch.kv_slots.numel(), batch.max_position)   # (not inside a capture)
         baked = _baked(hold, self.rotary, self._kv_capacity)
         if baked != self._baked:
             self.drop()

@@ -286,6 +286,8 @@ class MoEDecoder:
         the caller pages). A later step that finds one ends the run there (the engine's next
         step pages it)."""
         step, ahead, next_ids = batch, batch.ahead, batch.input_ids
+        if ahead is not None:
+            self.graphs.reserve(ahead.kv_slots.numel(), ahead.max_position)
         for j in range(1 if ahead is None else ahead.positions.shape[0]):
             if j:
                 positions = ahead.positions[j]

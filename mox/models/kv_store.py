@@ -141,6 +141,9 @@ class KVAnchor:
         for keys, values in zip(store.keys, store.values):
             delta = (keys.data_ptr() - self.keys.data_ptr(), values.data_ptr()
                      - self.values.data_ptr())
-            assert delta[0] % size == 0 and delta[1] % size == 0, "store not dtype-aligned"
+            # (the kernels assume 16-element multiples, to keep vector loads: allocations
+            # are 512-byte aligned on a GPU, 64-byte or page aligned on a CPU)
+            assert delta[0] % (16 * size) == 0 and delta[1] % (16 * size) == 0, \
+                "KV store or anchor not aligned to 16 elements"
             deltas.append((delta[0] // size, delta[1] // size))
         self.offsets.copy_(torch.tensor(deltas, dtype=torch.int64))

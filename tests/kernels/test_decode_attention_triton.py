@@ -84,3 +84,12 @@ def test_a_store_read_from_anchors_and_offsets_is_the_store():
     got = decode_attention_triton(q, anchor_k, anchor_v, slots, starts, lengths, 0.2, None,
                                   kv_offsets=offsets)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_the_output_in_the_query_dtype_is_the_f32_result_rounded():
+    q, keys, values, slots, starts, lengths = (a.to(DEVICE) for a in _problem(
+        torch.bfloat16, 32, 32, lengths=[4, 19]))
+    f32 = decode_attention_triton(q, keys, values, slots, starts, lengths, 0.2, None)
+    got = decode_attention_triton(q, keys, values, slots, starts, lengths, 0.2, None,
+                                  out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, f32.to(torch.bfloat16))

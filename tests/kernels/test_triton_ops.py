@@ -120,3 +120,23 @@ def test_softmax_topk_equals_the_torch_routing(experts, k, renormalize, scaling)
     chosen = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
     chosen[want_ids.reshape(-1).long()] = 1
     assert torch.equal(mark, chosen)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")     # (inf - inf: NaN rows)
+def test_softmax_topk_of_nan_and_minus_inf_rows_stays_in_range():
+    """As the torch routing: a row with a NaN logit (all its probabilities NaN) takes the
+    lowest ids, and a row with fewer than k finite logits the lowest remaining ones, each
+    once: every id names an expert."""
+    logits = torch.full((3, 6), float("-inf"))
+    logits[0, 3] = 1.0                                    # one finite logit, k = 4
+    logits[1] = float("nan")
+    logits[2, 4] = float("nan")
+    logits[2, :3] = torch.tensor([0.5, 2.0, 1.0])
+    logits = logits.to(DEVICE)
+    _, want_ids = softmax_topk(logits, 4, False)
+    mark = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    _, ids = triton_ops.softmax_topk(logits, 4, False, mark=mark)
+    assert ids[0].tolist() == [3, 0, 1, 2]
+    assert ids[1].tolist() == ids[2].tolist() == [0, 1, 2, 3]
+    assert torch.equal(ids, want_ids)
+    assert mark.tolist() == [1, 1, 1, 1, 0, 0]

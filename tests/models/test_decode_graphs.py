@@ -53,6 +53,7 @@ def test_a_replayed_step_equals_the_eager_one_and_touches_only_its_own_rows(mode
     before, used = _store(batch), _used(pool)
     want = model.forward_batch(batch)
     eager_used = _used(pool) - used
+    assert eager_used > 0
     eager_store = _store(batch)
 
     model.use_graphs(CheckedCapture())
@@ -222,3 +223,32 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(model, caplog)
     assert "decodes without CUDA graphs" in caplog.text
     assert "not permitted when stream is capturing" in caplog.text
     assert model.experts.slot_pool.holds == 0
+
+
+def test_a_run_whose_later_step_must_page_ends_there(hf_checkpoints, monkeypatch):
+    """A run's second step finds an expert only on disk (forced here): the run ends after its
+    first step, whose token stands, and the engine's next step pages; the tokens are the
+    eager ones (a run that re-ran its first step would sample it twice)."""
+    monkeypatch.setattr(triton_ops, "takes", lambda x: True)
+    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
+              host_memory="64MiB")
+    llm.model.experts.maps_host_experts = True
+    scheduler = llm.router.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, decode_run_s=None)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+
+    def generate() -> list[list[int]]:
+        return [out.token_ids for out in llm.generate(prompt_token_ids=prompts, max_tokens=6,
+                                                      temperature=0.0, ignore_eos=True)]
+
+    want = generate()
+    model = llm.model
+    model.use_graphs(EagerCapture())
+    graph_step, calls = model._graph_step, []
+
+    def every_second_misses(batch):
+        calls.append(1)
+        return None if len(calls) % 2 == 0 else graph_step(batch)
+    model._graph_step = every_second_misses
+    assert generate() == want
+    assert len(calls) >= 4
