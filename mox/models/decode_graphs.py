@@ -129,39 +129,45 @@ def default_capture(device: torch.device) -> GraphCapture | None:
 class StaticInputs:
     """What a replay reads that changes from step to step, at the largest capture size."""
 
-    input_ids: torch.Tensor          # [B]
-    positions: torch.Tensor          # [B]
-    slot_mapping: torch.Tensor       # [B]
-    starts: torch.Tensor             # [B] each token's keys in `kv_slots`
-    lengths: torch.Tensor            # [B]
+    per_row: torch.Tensor            # [5, B] int64: the rows below, loaded in one gather
     kv_slots: torch.Tensor           # [capacity]
     table: ExpertMap                 # row_of [L, E] and the row offsets [R], static
     used: torch.Tensor               # [L, E] the experts the step computed (read back)
     kv: KVAnchor                     # the KV store from fixed anchors
 
+    @property
+    def input_ids(self) -> torch.Tensor:               # [B]
+        return self.per_row[0]
+
+    @property
+    def positions(self) -> torch.Tensor:               # [B]
+        return self.per_row[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:            # [B]
+        return self.per_row[2]
+
+    @property
+    def starts(self) -> torch.Tensor:                  # [B] each token's keys in `kv_slots`
+        return self.per_row[3]
+
+    @property
+    def lengths(self) -> torch.Tensor:                 # [B]
+        return self.per_row[4]
+
     @staticmethod
     def allocate(table: ExpertMap, kv: KVStore, kv_capacity: int,
                  device: torch.device) -> StaticInputs:
-        def index(size: int) -> torch.Tensor:
-            return torch.zeros(size, dtype=torch.int64, device=device)
-
         rows = table.rows
         static_rows = ExpertRows(*(None if t is None else torch.zeros_like(t)
                                    for t in (rows.w13, rows.w2, rows.s13, rows.s2)),
                                  aligned=rows.aligned)
         static = replace(table, row_of=torch.zeros_like(table.row_of), rows=static_rows)
-        largest = CAPTURE_SIZES[-1]
-        return StaticInputs(index(largest), index(largest), index(largest), index(largest),
-                            index(largest), index(kv_capacity), static,
+        def index(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        return StaticInputs(index(5, CAPTURE_SIZES[-1]), index(kv_capacity), static,
                             torch.zeros_like(table.row_of), kv.anchor())
-
-
-def _load(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
-    """`src [n]` into `dst[:size]`, its rows past n repeating row 0."""
-    n = src.numel()
-    dst[:n].copy_(src)
-    if size > n:
-        dst[n:size].copy_(src[:1].expand(size - n))
 
 
 class DecodeGraphs:
@@ -179,6 +185,7 @@ class DecodeGraphs:
         # the table whose rows the buffers hold (weakly: its mapped host bytes may go)
         self._loaded: weakref.ref[ExpertMap] | None = None
         self._kv_capacity = 0
+        self._padding: dict[tuple[int, int], torch.Tensor] = {}   # see _pad_index
 
     @property
     def sizes(self) -> list[int]:
@@ -213,11 +220,11 @@ class DecodeGraphs:
                                                  batch.input_ids.device)
         inputs = self._inputs
         inputs.kv.follow(batch.kv)
-        for dst, src in ((inputs.input_ids, batch.input_ids), (inputs.positions, batch.positions),
-                         (inputs.slot_mapping, batch.slot_mapping),
-                         (inputs.starts, batch.key_ranges[0]),
-                         (inputs.lengths, batch.key_ranges[1])):
-            _load(dst, src, size)
+        # the rows, padded, in three kernels (a stack, a gather, a copy) rather than ten
+        rows = torch.stack((batch.input_ids, batch.positions, batch.slot_mapping,
+                            *batch.key_ranges))                                  # [5, n]
+        inputs.per_row[:, :size] = rows.index_select(1, self._pad_index(batch.num_tokens,
+                                                                         size))
         inputs.kv_slots[:batch.kv_slots.numel()].copy_(batch.kv_slots)
         if self._loaded is None or self._loaded() is not hold.table:   # (a refresh made one)
             self._loaded = weakref.ref(hold.table)
@@ -241,6 +248,14 @@ class DecodeGraphs:
             self._hold = None
         hold.device_used = inputs.used
         return logits
+
+    def _pad_index(self, num_rows: int, size: int) -> torch.Tensor:
+        """`[size]`: 0 .. num_rows - 1, then 0 (the padding rows repeat row 0)."""
+        index = self._padding.get((num_rows, size))
+        if index is None:
+            index = self._padding[num_rows, size] = torch.tensor(
+                [*range(num_rows), *[0] * (size - num_rows)], device=self._inputs.kv_slots.device)
+        return index
 
     def _forward(self, size: int, kv: KVStore) -> torch.Tensor:
         """The step over the static buffers at `size` rows: logits `[B, V]` f32 (what a
