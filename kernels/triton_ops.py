@@ -91,6 +91,89 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scaling: float
     return weights, ids
 
 
+@triton.jit
+def _lowest_max(x, offs, left, SIZE: tl.constexpr):
+    """The lowest index among `left` lanes holding their largest value."""
+    top = tl.max(tl.where(left, x, float("-inf")), axis=0)
+    return tl.min(tl.where(left & (x == top), offs, SIZE), axis=0)
+
+
+@triton.jit
+def _sigmoid_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, mark_ptr, stride_l,
+                            scaling, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                            KEEP_GROUPS: tl.constexpr, K: tl.constexpr,
+                            BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            RENORM: tl.constexpr, MARK: tl.constexpr):
+    num_experts: tl.constexpr = GROUPS * GROUP_SIZE
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, num_experts)
+    scores = tl.sigmoid(tl.load(logits_ptr + row * stride_l + offs).to(tl.float32))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + offs).to(tl.float32)
+    # a group's score: its best two choices (ties to the lower id, then the next)
+    grouped = tl.reshape(choice, (GROUPS, GROUP_SIZE))
+    column = tl.arange(0, GROUP_SIZE)[None, :]
+    first = tl.max(grouped, axis=1)
+    at = tl.min(tl.where(grouped == first[:, None], column, GROUP_SIZE), axis=1)
+    second = tl.max(tl.where(column == at[:, None], float("-inf"), grouped), axis=1)
+    group_score = first + second
+    group_ids = tl.arange(0, GROUPS)
+    left_groups = group_ids >= 0
+    kept = group_ids < 0
+    for _ in tl.static_range(KEEP_GROUPS):
+        best = _lowest_max(group_score, group_ids, left_groups, GROUPS)
+        kept = kept | (group_ids == best)
+        left_groups = left_groups & (group_ids != best)
+    in_kept = tl.reshape(tl.broadcast_to(kept[:, None], (GROUPS, GROUP_SIZE)), (num_experts,))
+    slot = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    left = in_kept
+    for j in tl.static_range(K):
+        best = _lowest_max(choice, offs, left, num_experts)
+        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, scores, 0.0), axis=0),
+                           weights)
+        ids = tl.where(slot == j, best.to(tl.int32), ids)
+        left = left & (offs != best)
+    if RENORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    k_ok = slot < K
+    tl.store(weights_ptr + row * K + slot, weights * scaling, mask=k_ok)
+    tl.store(ids_ptr + row * K + slot, ids, mask=k_ok)
+    if MARK:
+        tl.store(mark_ptr + ids, tl.full((BLOCK_K,), 1, tl.int32), mask=k_ok)
+
+
+def takes_sigmoid_grouped(num_experts: int, n_group: int) -> bool:
+    """Whether `sigmoid_grouped_topk` takes this grouping (power-of-two groups and sizes)."""
+    size = num_experts // n_group
+    return (num_experts % n_group == 0 and size >= 2 and size == triton.next_power_of_2(size)
+            and n_group == triton.next_power_of_2(n_group))
+
+
+def sigmoid_grouped_topk(logits: torch.Tensor, k: int, correction_bias: torch.Tensor | None,
+                         n_group: int, topk_group: int, renormalize: bool, scaling: float,
+                         mark: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """mox.kernels.routing.sigmoid_grouped_topk (DeepSeek-V3 / GLM4-MoE) in one kernel: the
+    same experts and weights, in the order chosen (the torch path's order is unspecified);
+    ties to the lower id. `mark` as `softmax_topk`'s."""
+    assert logits.is_cuda or is_interpreter(), "Triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    num_tokens, num_experts = logits.shape
+    assert takes_sigmoid_grouped(num_experts, n_group) and logits.stride(1) == 1
+    assert 0 < topk_group <= n_group and 0 < k <= topk_group * (num_experts // n_group)
+    weights = torch.empty(num_tokens, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _sigmoid_grouped_kernel[(num_tokens,)](
+            logits, logits if correction_bias is None else correction_bias, weights, ids,
+            ids if mark is None else mark, logits.stride(0), scaling, GROUPS=n_group,
+            GROUP_SIZE=num_experts // n_group, KEEP_GROUPS=topk_group, K=k,
+            BLOCK_K=triton.next_power_of_2(k), HAS_BIAS=correction_bias is not None,
+            RENORM=renormalize, MARK=mark is not None)
+    return weights, ids
+
+
 def takes_rope(rotary_dim: int) -> bool:
     """Whether `rope_kv` takes these rotary dims (its halves a power of two wide)."""
     half = rotary_dim // 2

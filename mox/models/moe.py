@@ -58,6 +58,11 @@ def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor,
     if router.scoring == ROUTING_SOFTMAX and triton_ops.takes(logits):     # (one kernel)
         return triton_ops.softmax_topk(logits, spec.top_k, spec.norm_topk_prob,
                                        router.routed_scaling_factor, mark=mark)
+    if (router.scoring == ROUTING_SIGMOID_GROUPED and triton_ops.takes(logits)
+            and triton_ops.takes_sigmoid_grouped(spec.num_experts, router.n_group)):
+        return triton_ops.sigmoid_grouped_topk(
+            logits, spec.top_k, w.correction_bias, router.n_group, router.topk_group,
+            spec.norm_topk_prob, router.routed_scaling_factor, mark=mark)
     weights, ids = _route_logits(spec, w, logits)
     if mark is not None:
         mark.index_fill_(0, ids.reshape(-1).long(), 1)

@@ -140,3 +140,28 @@ def test_softmax_topk_of_nan_and_minus_inf_rows_stays_in_range():
     assert ids[1].tolist() == ids[2].tolist() == [0, 1, 2, 3]
     assert torch.equal(ids, want_ids)
     assert mark.tolist() == [1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("experts, n_group, topk_group, k, bias, renormalize", [
+    (32, 4, 2, 4, True, True), (64, 8, 4, 8, True, False), (16, 1, 1, 3, False, True)])
+def test_sigmoid_grouped_topk_equals_the_torch_routing(experts, n_group, topk_group, k, bias,
+                                                       renormalize):
+    """The same experts (the torch path's order is unspecified) with the same weights, and
+    the experts chosen marked."""
+    from mox.kernels import sigmoid_grouped_topk
+    gen = torch.Generator().manual_seed(experts + k)
+    logits = torch.randn(19, experts, generator=gen).to(DEVICE)
+    correction = (0.1 * torch.randn(experts, generator=gen)).to(DEVICE) if bias else None
+    want_w, want_ids = sigmoid_grouped_topk(logits, k, correction, n_group, topk_group,
+                                            renormalize, 2.5)
+    mark = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    got_w, got_ids = triton_ops.sigmoid_grouped_topk(logits, k, correction, n_group,
+                                                     topk_group, renormalize, 2.5, mark=mark)
+    assert got_ids.dtype == torch.int32
+    order_got, order_want = got_ids.sort(dim=1), want_ids.sort(dim=1)
+    assert torch.equal(order_got.values, order_want.values)
+    torch.testing.assert_close(got_w.gather(1, order_got.indices),
+                               want_w.gather(1, order_want.indices), atol=1e-6, rtol=1e-5)
+    chosen = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    chosen[want_ids.reshape(-1).long()] = 1
+    assert torch.equal(mark, chosen)

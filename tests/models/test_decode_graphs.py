@@ -172,13 +172,14 @@ def test_moved_pools_recapture_and_parking_drops_the_graphs(model):
     assert model.graphs.sizes == []
 
 
-def test_greedy_generation_with_graphs_equals_without(hf_checkpoints, monkeypatch):
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])   # (glm4: sigmoid-grouped routing,
+def test_greedy_generation_with_graphs_equals_without(arch, hf_checkpoints, monkeypatch):
     """Batches of five and two sequences (capture sizes 8 and 2), their decode steps run back
     to back (the engine's multi-step decode); each sequence's first token comes from an
     eager prefill."""
     monkeypatch.setattr(triton_ops, "takes", lambda x: True)
-    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
-              host_memory="64MiB")
+    llm = LLM(hf_checkpoints[arch][0], dtype=torch.float32, kv_memory=1 << 20,
+              host_memory="64MiB")              # a shared expert, a dense first layer)
     llm.model.experts.maps_host_experts = True
     runs = [[[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15], [3, 1, 4, 1, 5]],
             [[7, 7, 2], [9, 8, 7, 6]]]
