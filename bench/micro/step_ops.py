@@ -17,6 +17,8 @@ import argparse
 import collections
 import os
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -28,45 +30,51 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "sl
              "new_empty", "new_empty_strided", "_to_copy_meta"}
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-        self.steps = 0
-        self.active = False                # inside a counted step (Triton launches count)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        out = func(*args, **(kwargs or {}))
-        # (an out-of-place op that hands back its input, as `.to` to the same dtype: no kernel)
-        if name not in NO_KERNEL and not (args and out is args[0] and not name.endswith("_")):
-            self.ops[name] += 1
-        return out
+# on_launch(name, args, out): a torch op at the dispatcher, or a Triton launch (out None)
+OnLaunch = Callable[[str, tuple, object], None]
 
 
-def _count_triton(counter: OpCounter) -> None:
-    """Count each Triton kernel launch of mox's kernel modules as one op."""
+@contextmanager
+def kernel_launches(on_launch: OnLaunch) -> Iterator[None]:
+    """Within the block, `on_launch` sees every torch op at the dispatcher and every Triton
+    launch of mox's kernel modules (named `triton:<kernel>`), not the interpreter's own torch
+    calls inside a launch: what a GPU would run, and what it would read."""
     from mox.kernels import attention_triton, moe_align, moe_triton, triton_ops
-    for module in (attention_triton, moe_align, moe_triton, triton_ops):
-        for name in dir(module):
-            fn = getattr(module, name)
-            if name.startswith("_") and name.endswith("_kernel") and hasattr(fn, "__getitem__"):
-                setattr(module, name, _Counted(fn, name, counter))
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            on_launch(func.overloadpacket.__name__, args, out)
+            return out
+
+    class Launches:
+        def __init__(self, kernel, name: str) -> None:
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                on_launch("triton:" + self.name, args, None)
+                with _disable_current_modes():
+                    return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    kernels = [(module, name) for module in (attention_triton, moe_align, moe_triton, triton_ops)
+               for name in dir(module) if name.startswith("_") and name.endswith("_kernel")]
+    saved = [getattr(module, name) for module, name in kernels]
+    for (module, name), kernel in zip(kernels, saved):
+        setattr(module, name, Launches(kernel, name))
+    try:
+        with Mode():
+            yield
+    finally:
+        for (module, name), kernel in zip(kernels, saved):
+            setattr(module, name, kernel)
 
 
-class _Counted:
-    def __init__(self, fn, name: str, counter: OpCounter) -> None:
-        self.fn, self.name, self.counter = fn, name, counter
-
-    def __getitem__(self, grid):
-        launch = self.fn[grid]
-
-        def run(*args, **kwargs):
-            if self.counter.active:
-                self.counter.ops["triton:" + self.name] += 1
-            with _disable_current_modes():          # (the interpreter's own torch calls)
-                return launch(*args, **kwargs)
-        return run
+def launches_kernel(name: str, args: tuple, out: object) -> bool:
+    """Whether an op `kernel_launches` saw would launch a kernel on a GPU (not a metadata
+    op, nor an out-of-place op that hands back its input, as `.to` to the same dtype)."""
+    return name not in NO_KERNEL and not (args and out is args[0] and not name.endswith("_"))
 
 
 def main() -> None:
@@ -87,33 +95,30 @@ def main() -> None:
         llm = LLM(path, dtype=args.dtype)
         model = llm.model
         model.experts.maps_host_experts = True
-        counter = OpCounter()
-        _count_triton(counter)
         prompts = [[1 + i, 2, 3] for i in range(args.seqs)]
         llm.generate(prompt_token_ids=prompts, max_tokens=2, temperature=0.0, ignore_eos=True)
-        original = model._table_stream
+        original, steps, counted_steps = model._table_stream, collections.Counter(), []
+
+        def count(name: str, op_args: tuple, out: object) -> None:
+            if launches_kernel(name, op_args, out):
+                steps[name] += 1
 
         def counted(x, batch, hold, used):
             if batch.key_ranges is None:                      # (a prefill: not counted)
                 return original(x, batch, hold, used)
-            counter.steps += 1
-            counter.active = True
-            try:
-                with counter:
-                    return original(x, batch, hold, used)
-            finally:
-                counter.active = False
+            counted_steps.append(1)
+            with kernel_launches(count):
+                return original(x, batch, hold, used)
         model._table_stream = counted
         # one prefill, then one decode step: its layers counted
         llm.generate(prompt_token_ids=prompts, max_tokens=2, temperature=0.0, ignore_eos=True)
-        steps = counter.ops
-    assert counter.steps == 1, counter.steps
+    assert len(counted_steps) == 1, counted_steps
     layers = model.spec.num_layers
     total = sum(steps.values())
     print(f"{args.arch}, {args.dtype}, {args.seqs} sequences: {total} kernels in the step's "
           f"layers, {total / layers:.1f} a layer ({layers} layers)")
-    for name, count in steps.most_common():
-        print(f"  {count / layers:6.2f} / layer  {name}")
+    for name, times in steps.most_common():
+        print(f"  {times / layers:6.2f} / layer  {name}")
 
 
 if __name__ == "__main__":

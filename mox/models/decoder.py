@@ -28,7 +28,7 @@ from mox.models.decode_graphs import DecodeGraphs, GraphCapture, GraphCaptureErr
 from mox.models.forward_batch import ForwardBatch
 from mox.models.kv_cache import SEQUENCE_BLOCK_SIZE, SequenceKVCache
 from mox.models.kv_store import KVStore
-from mox.models.layers import MLPWeights, linear, rms_norm
+from mox.models.layers import MLPWeights, add_rms_norm, linear, rms_norm
 from mox.models.mla import MLAWeights, mla_attention
 from mox.models.moe import (
     MoEWeights,
@@ -191,10 +191,7 @@ class MoEDecoder:
         layer, eps = self.layers[i], self.spec.rms_norm_eps
         out = self.attention(self.spec, layer.attention, i, rms_norm(x, layer.input_norm, eps),
                              self.rotary, batch)
-        if triton_ops.takes(x):            # (the residual add and the norm in one kernel)
-            return triton_ops.rms_norm(out, layer.post_attention_norm, eps, residual=x)
-        x = x + out
-        return x, rms_norm(x, layer.post_attention_norm, eps)
+        return add_rms_norm(x, out, layer.post_attention_norm, eps)
 
     def _decode_layers(self, x: torch.Tensor, batch: ForwardBatch,
                        pick: Callable[[torch.Tensor], torch.Tensor | None]

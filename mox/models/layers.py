@@ -30,11 +30,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel)."""
     if native.takes_norm(x, weight):
         return native.kernels().rms_norm(x, weight, eps)
-    if triton_ops.takes(x) and x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype:
+    if _triton_norm(x, weight):
         return triton_ops.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x + y` and its `rms_norm` (on a GPU both in one Triton kernel)."""
+    if _triton_norm(x, weight) and y.shape == x.shape and y.stride(1) == 1:
+        return triton_ops.rms_norm(x, weight, eps, residual=y)
+    summed = x + y
+    return summed, rms_norm(summed, weight, eps)
+
+
+def _triton_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (triton_ops.takes(x) and x.dim() == 2 and x.stride(1) == 1
+            and x.dtype == weight.dtype)
 
 
 @dataclass

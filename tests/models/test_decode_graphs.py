@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mox import LLM
+from mox.bench.micro.step_ops import kernel_launches
 from mox.kernels import triton_ops
 from mox.models.decode_graphs import CAPTURE_SIZES, EagerCapture, capture_size
 from tests.models.decode_batch import decode_batch
@@ -91,60 +92,39 @@ class CheckedCapture(EagerCapture):
 
 
 def _addresses_read(step) -> tuple[torch.Tensor, set[int]]:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from mox.kernels import attention_triton, moe_align, moe_triton
-
+    """The step's output, and the addresses of the tensors its ops and Triton launches were
+    handed that it did not make."""
     made: set[int] = set()
     read: set[int] = set()
 
-    def note(args) -> None:
+    def note(name: str, args: tuple, out: object) -> None:
         for a in args:
             if isinstance(a, torch.Tensor) and a.numel() and a.data_ptr() not in made:
                 read.add(a.data_ptr())
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                made.add(t.data_ptr())
 
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            note(args)
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    made.add(t.data_ptr())
-            return out
-
-    class Launches:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                note(args)
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    kernels = [(m, name) for m in (attention_triton, moe_align, moe_triton, triton_ops)
-               for name in dir(m) if name.startswith("_") and name.endswith("_kernel")]
-    saved = [getattr(m, name) for m, name in kernels]
-    for (m, name), kernel in zip(kernels, saved):
-        setattr(m, name, Launches(kernel))
-    try:
-        with Mode():
-            out = step()
-    finally:
-        for (m, name), kernel in zip(kernels, saved):
-            setattr(m, name, kernel)
+    with kernel_launches(note):
+        out = step()
     return out, read
+
+
+def _captured(model):
+    """A decode batch, its eager logits, and the captures once its step was captured under
+    CheckedCapture."""
+    batch = decode_batch(model, torch.Generator().manual_seed(7))
+    want = model.forward_batch(batch)
+    model.use_graphs(CheckedCapture())
+    model.forward_batch(batch)
+    return batch, want, _captures(model.experts)
 
 
 def test_a_replay_follows_the_kv_store_where_it_moved(model):
     """The KV store moves (grown, released and allocated again) without a capture: the
     replay reads it through the anchors, at the store's new place."""
     pool = model.experts
-    batch = decode_batch(model, torch.Generator().manual_seed(7))
-    want = model.forward_batch(batch)
-    model.use_graphs(CheckedCapture())
-    model.forward_batch(batch)
-    captures = _captures(pool)
+    batch, want, captures = _captured(model)
     kv = batch.kv
     old = kv.keys + kv.values
     kv.keys, kv.values = [t.clone() for t in kv.keys], [t.clone() for t in kv.values]
@@ -156,11 +136,7 @@ def test_a_replay_follows_the_kv_store_where_it_moved(model):
 
 def test_moved_pools_recapture_and_parking_drops_the_graphs(model):
     pool = model.experts
-    batch = decode_batch(model, torch.Generator().manual_seed(7))
-    want = model.forward_batch(batch)
-    model.use_graphs(CheckedCapture())
-    model.forward_batch(batch)
-    captures = _captures(pool)
+    batch, want, captures = _captured(model)
     model.forward_batch(batch)
     assert _captures(pool) == captures                     # nothing moved: replayed
     pool.resize(pool.max_slots)                            # the pools grew
@@ -172,15 +148,24 @@ def test_moved_pools_recapture_and_parking_drops_the_graphs(model):
     assert model.graphs.sizes == []
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])   # (glm4: sigmoid-grouped routing,
+def _table_llm(path: str) -> LLM:
+    """An fp32 LLM whose decode steps take the table path (misses read from the host cache),
+    running decode steps back to back in runs of any length (the interpreter's steps are
+    slow, and `decode_run_s` counts time)."""
+    llm = LLM(path, dtype=torch.float32, kv_memory=1 << 20, host_memory="64MiB")
+    llm.model.experts.maps_host_experts = True
+    scheduler = llm.router.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, decode_run_s=None)
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])   # (glm4: sigmoid-grouped routing)
 def test_greedy_generation_with_graphs_equals_without(arch, hf_checkpoints, monkeypatch):
     """Batches of five and two sequences (capture sizes 8 and 2), their decode steps run back
     to back (the engine's multi-step decode); each sequence's first token comes from an
     eager prefill."""
     monkeypatch.setattr(triton_ops, "takes", lambda x: True)
-    llm = LLM(hf_checkpoints[arch][0], dtype=torch.float32, kv_memory=1 << 20,
-              host_memory="64MiB")              # a shared expert, a dense first layer)
-    llm.model.experts.maps_host_experts = True
+    llm = _table_llm(hf_checkpoints[arch][0])   # (glm4: a shared expert, a dense first layer)
     runs = [[[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15], [3, 1, 4, 1, 5]],
             [[7, 7, 2], [9, 8, 7, 6]]]
 
@@ -189,9 +174,6 @@ def test_greedy_generation_with_graphs_equals_without(arch, hf_checkpoints, monk
                 for out in llm.generate(prompt_token_ids=prompts, max_tokens=5,
                                         temperature=0.0, ignore_eos=True)]
 
-    # (runs of any length: the interpreter's steps are slow, and `decode_run_s` counts time)
-    scheduler = llm.router.engine.scheduler
-    scheduler.config = dataclasses.replace(scheduler.config, decode_run_s=None)
     want = generate()
     model = llm.model
     model.use_graphs(EagerCapture())
@@ -231,11 +213,7 @@ def test_a_run_whose_later_step_must_page_ends_there(hf_checkpoints, monkeypatch
     first step, whose token stands, and the engine's next step pages; the tokens are the
     eager ones (a run that re-ran its first step would sample it twice)."""
     monkeypatch.setattr(triton_ops, "takes", lambda x: True)
-    llm = LLM(hf_checkpoints["mixtral"][0], dtype=torch.float32, kv_memory=1 << 20,
-              host_memory="64MiB")
-    llm.model.experts.maps_host_experts = True
-    scheduler = llm.router.engine.scheduler
-    scheduler.config = dataclasses.replace(scheduler.config, decode_run_s=None)
+    llm = _table_llm(hf_checkpoints["mixtral"][0])
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
 
     def generate() -> list[list[int]]:
