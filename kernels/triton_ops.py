@@ -24,12 +24,54 @@ import triton
 import triton.language as tl
 
 from .moe_triton import is_interpreter
+from .routing import SIGMOID_RENORM_EPS
+
+RENORM_EPS = tl.constexpr(SIGMOID_RENORM_EPS)      # (a jitted function reads constexpr globals)
 
 
 def takes(x: torch.Tensor) -> bool:
     """Whether the Triton ops serve this tensor's step (a GPU; the CPU tests stand one in
     by patching this under the interpreter)."""
     return x.is_cuda
+
+
+@triton.jit
+def _lowest_max(x, offs, left, SIZE: tl.constexpr):
+    """The lowest index among `left` lanes holding their largest value: ties (-inf ones too)
+    to the lowest id, as top_k's stable sort, by an explicit min over ids rather than
+    argmax's tie rule (which the interpreter ignores)."""
+    top = tl.max(tl.where(left, x, float("-inf")), axis=0)
+    return tl.min(tl.where(left & (x == top), offs, SIZE), axis=0)
+
+
+@triton.jit
+def _top_k(choice, values, left, K: tl.constexpr, BLOCK_K: tl.constexpr,
+           SIZE: tl.constexpr):
+    """The K `left` lanes of largest `choice`, largest first (`_lowest_max`): their ids and
+    `values`, in `[BLOCK_K]` vectors."""
+    offs = tl.arange(0, SIZE)
+    slot = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    for j in tl.static_range(K):
+        best = _lowest_max(choice, offs, left, SIZE)
+        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, values, 0.0), axis=0),
+                           weights)
+        ids = tl.where(slot == j, best.to(tl.int32), ids)
+        left = left & (offs != best)
+    return weights, ids
+
+
+@triton.jit
+def _store_choice(weights, ids, row, weights_ptr, ids_ptr, mark_ptr, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, MARK: tl.constexpr):
+    """A token's k weights and ids, and its experts marked chosen."""
+    slot = tl.arange(0, BLOCK_K)
+    k_ok = slot < K
+    tl.store(weights_ptr + row * K + slot, weights, mask=k_ok)
+    tl.store(ids_ptr + row * K + slot, ids, mask=k_ok)
+    if MARK:
+        tl.store(mark_ptr + ids, tl.full((BLOCK_K,), 1, tl.int32), mask=k_ok)
 
 
 @triton.jit
@@ -46,27 +88,10 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, mark_ptr, num_experts
     nan_row = tl.max(tl.where(ok & (x != x), 1, 0), axis=0) > 0
     x = tl.where(nan_row & ok, float("inf"), x)
     e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    total = tl.sum(e, axis=0)
-    slot = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_K,), tl.float32)
-    ids = tl.zeros((BLOCK_K,), tl.int32)
-    left = ok                                  # experts not chosen yet
-    for j in tl.static_range(K):
-        # the largest left, ties (-inf ones too) to the lowest id, as top_k's stable sort;
-        # by an explicit min over ids, not argmax's tie rule (which the interpreter ignores)
-        top = tl.max(tl.where(left, x, float("-inf")), axis=0)
-        best = tl.min(tl.where(left & (x == top), offs, BLOCK_E), axis=0)
-        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, e, 0.0), axis=0) / total,
-                           weights)
-        ids = tl.where(slot == j, best.to(tl.int32), ids)
-        left = left & (offs != best)
+    weights, ids = _top_k(x, e / tl.sum(e, axis=0), ok, K, BLOCK_K, BLOCK_E)
     if RENORM:
         weights = weights / tl.sum(weights, axis=0)
-    k_ok = slot < K
-    tl.store(weights_ptr + row * K + slot, weights * scaling, mask=k_ok)
-    tl.store(ids_ptr + row * K + slot, ids, mask=k_ok)
-    if MARK:
-        tl.store(mark_ptr + ids, tl.full((BLOCK_K,), 1, tl.int32), mask=k_ok)
+    _store_choice(weights * scaling, ids, row, weights_ptr, ids_ptr, mark_ptr, K, BLOCK_K, MARK)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scaling: float = 1.0,
@@ -89,13 +114,6 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scaling: float
             BLOCK_E=triton.next_power_of_2(num_experts), RENORM=renormalize,
             MARK=mark is not None)
     return weights, ids
-
-
-@triton.jit
-def _lowest_max(x, offs, left, SIZE: tl.constexpr):
-    """The lowest index among `left` lanes holding their largest value."""
-    top = tl.max(tl.where(left, x, float("-inf")), axis=0)
-    return tl.min(tl.where(left & (x == top), offs, SIZE), axis=0)
 
 
 @triton.jit
@@ -126,23 +144,10 @@ def _sigmoid_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, mark_ptr
         kept = kept | (group_ids == best)
         left_groups = left_groups & (group_ids != best)
     in_kept = tl.reshape(tl.broadcast_to(kept[:, None], (GROUPS, GROUP_SIZE)), (num_experts,))
-    slot = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_K,), tl.float32)
-    ids = tl.zeros((BLOCK_K,), tl.int32)
-    left = in_kept
-    for j in tl.static_range(K):
-        best = _lowest_max(choice, offs, left, num_experts)
-        weights = tl.where(slot == j, tl.sum(tl.where(offs == best, scores, 0.0), axis=0),
-                           weights)
-        ids = tl.where(slot == j, best.to(tl.int32), ids)
-        left = left & (offs != best)
+    weights, ids = _top_k(choice, scores, in_kept, K, BLOCK_K, num_experts)
     if RENORM:
-        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    k_ok = slot < K
-    tl.store(weights_ptr + row * K + slot, weights * scaling, mask=k_ok)
-    tl.store(ids_ptr + row * K + slot, ids, mask=k_ok)
-    if MARK:
-        tl.store(mark_ptr + ids, tl.full((BLOCK_K,), 1, tl.int32), mask=k_ok)
+        weights = weights / (tl.sum(weights, axis=0) + RENORM_EPS)
+    _store_choice(weights * scaling, ids, row, weights_ptr, ids_ptr, mark_ptr, K, BLOCK_K, MARK)
 
 
 def takes_sigmoid_grouped(num_experts: int, n_group: int) -> bool:

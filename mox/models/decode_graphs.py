@@ -163,11 +163,10 @@ class StaticInputs:
                                    for t in (rows.w13, rows.w2, rows.s13, rows.s2)),
                                  aligned=rows.aligned)
         static = replace(table, row_of=torch.zeros_like(table.row_of), rows=static_rows)
-        def index(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int64, device=device)
-
-        return StaticInputs(index(5, CAPTURE_SIZES[-1]), index(kv_capacity), static,
-                            torch.zeros_like(table.row_of), kv.anchor())
+        return StaticInputs(
+            torch.zeros(5, CAPTURE_SIZES[-1], dtype=torch.int64, device=device),
+            torch.zeros(kv_capacity, dtype=torch.int64, device=device), static,
+            torch.zeros_like(table.row_of), kv.anchor())
 
 
 class DecodeGraphs:
@@ -218,6 +217,18 @@ class DecodeGraphs:
             self._baked = baked
             self._inputs = StaticInputs.allocate(hold.table, batch.kv, self._kv_capacity,
                                                  batch.input_ids.device)
+        self._load(batch, hold.table, size)
+        self._hold = replace(hold, table=self._inputs.table, used=[], device_used=None)
+        try:
+            logits = self._replay(size, batch.kv)()[:batch.num_tokens]
+        finally:
+            self._hold = None
+        hold.device_used = self._inputs.used
+        return logits
+
+    def _load(self, batch: ForwardBatch, table: ExpertMap, size: int) -> None:
+        """The batch's rows (padded to `size`), keys and KV store, and the table's rows
+        where a refresh made a new table, into the static buffers."""
         inputs = self._inputs
         inputs.kv.follow(batch.kv)
         # the rows, padded, in three kernels (a stack, a gather, a copy) rather than ten
@@ -226,28 +237,25 @@ class DecodeGraphs:
         inputs.per_row[:, :size] = rows.index_select(1, self._pad_index(batch.num_tokens,
                                                                          size))
         inputs.kv_slots[:batch.kv_slots.numel()].copy_(batch.kv_slots)
-        if self._loaded is None or self._loaded() is not hold.table:   # (a refresh made one)
-            self._loaded = weakref.ref(hold.table)
-            inputs.table.row_of.copy_(hold.table.row_of)
-            for dst, src in zip(_offsets(inputs.table.rows), _offsets(hold.table.rows)):
+        if self._loaded is None or self._loaded() is not table:
+            self._loaded = weakref.ref(table)
+            inputs.table.row_of.copy_(table.row_of)
+            for dst, src in zip(_offsets(inputs.table.rows), _offsets(table.rows)):
                 dst.copy_(src)
-        self._hold = replace(hold, table=inputs.table, used=[], device_used=None)
-        try:
-            replay = self._replays.get(size)
-            if replay is None:
-                started = time.perf_counter()
-                try:
-                    replay = self.capture.capture(lambda: self._forward(size, batch.kv))
-                except Exception as exc:
-                    raise GraphCaptureError(f"capturing a decode step of {size} rows: "
-                                            f"{type(exc).__name__}: {exc}") from exc
-                self._replays[size] = replay
-                self.pool.count_graph_capture(time.perf_counter() - started)
-            logits = replay()[:batch.num_tokens]
-        finally:
-            self._hold = None
-        hold.device_used = inputs.used
-        return logits
+
+    def _replay(self, size: int, kv: KVStore) -> Step:
+        """The graph of `size` rows, captured now if this is its first step (counted)."""
+        replay = self._replays.get(size)
+        if replay is None:
+            started = time.perf_counter()
+            try:
+                replay = self.capture.capture(lambda: self._forward(size, kv))
+            except Exception as exc:
+                raise GraphCaptureError(f"capturing a decode step of {size} rows: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+            self._replays[size] = replay
+            self.pool.count_graph_capture(time.perf_counter() - started)
+        return replay
 
     def _pad_index(self, num_rows: int, size: int) -> torch.Tensor:
         """`[size]`: 0 .. num_rows - 1, then 0 (the padding rows repeat row 0)."""
