@@ -109,6 +109,9 @@ static void integer_rows(const qrows_t *qx, int64_t first, int64_t count, pool_t
         else if (fast && has_vnni)
             rows_vnni(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
                       p.group, o, ldy);
+        else if (fast && qx->pairs == 2 * QBLOCK)
+            int4_rows_avx2(qx, first + c, m, w, row_bytes, n1 - n0, wscale, per_row, p.group,
+                           o, ldy);
         else if (fast)
             rows_avx2(qx, first + c, m, w, row_bytes, n1 - n0, p.kind, wscale, per_row,
                       p.group, o, ldy);
@@ -300,9 +303,9 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     if (has_vnni < 0)
         has_vnni = mox_has_avx512vnni();
     /* how the activations meet packed weights (qrows_t): int4 in groups of a multiple of
-     * 128 (so H and I are too) takes int4_rows_vnni where the CPU has VNNI */
+     * 128 (so H and I are too) takes int4_rows_vnni, or int4_rows_avx2 without VNNI */
     int pairs = p13.kind != WEIGHTS_INT4 && p13.kind != WEIGHTS_MXFP4 ? 0 : QBLOCK;
-    if (p13.kind == WEIGHTS_INT4 && isa != ISA_PLAIN && has_vnni && p13.group % (2 * QBLOCK) == 0)
+    if (p13.kind == WEIGHTS_INT4 && isa != ISA_PLAIN && p13.group % (2 * QBLOCK) == 0)
         pairs = 2 * QBLOCK;
     if (fast && !quantized && (H % 32 != 0 || I % 32 != 0 || isa == ISA_PLAIN
                                || (p13.kind == WEIGHTS_FP8 && isa == ISA_PLAIN)))

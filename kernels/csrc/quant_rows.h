@@ -438,6 +438,75 @@ static void int4_rows_vnni(const qrows_t *x, int64_t m0, int M, const uint8_t *w
                   ldy)
 }
 
+/* int4_row_vnni_m's span on AVX2 (no VNNI): a span's 64 bytes are two 32-byte loads, the
+ * first holding its first block's 64 values (low nibbles the evens, high the odds) and the
+ * second its second block's. VPMADDUBSW meets each nibble half with its activation bytes;
+ * the two halves' int16 pairs add before one VPMADDWD (|15 x 127 x 2| x 2 < 2^15: no
+ * saturation), one int32 sum a block, scaled into one of two accumulators a row. Per 128
+ * weights that is ~26 instructions where row_q_avx2's two blocks, a scalar activation-sum
+ * chain and a group epilogue took ~40. */
+__attribute__((target("avx2,fma")))
+static inline __attribute__((always_inline)) void int4_row_avx2_m(
+        const qrows_t *x, int64_t m0, const int M, const uint8_t *row, const float *wscale,
+        int64_t group, float *out, int64_t ldy) {
+    int64_t spans = x->K / SPAN, per_group = group / SPAN;
+    const int8_t *q = x->q;
+    const float *xscale = x->scale, *sum128 = x->sum128;
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 total[2][MAX_ROWS];
+    float corr[MAX_ROWS] = {0};
+    for (int m = 0; m < M; m++) total[0][m] = total[1][m] = _mm256_setzero_ps();
+    float ws = wscale[0];
+    for (int64_t s = 0, g = 0, group_end = per_group; s < spans; s++) {
+        if (s == group_end) {       /* the weights' next scale group (no divide a span) */
+            ws = wscale[++g];
+            group_end += per_group;
+        }
+        const uint8_t *w = row + s * (SPAN / 2);
+        _mm_prefetch((const char *)(w + PREFETCH_AHEAD_QUANT), _MM_HINT_T0);
+        __m256i a = _mm256_loadu_si256((const __m256i *)w);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(w + 32));
+        __m256i even_a = _mm256_and_si256(a, low), odd_a = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+        __m256i even_b = _mm256_and_si256(b, low), odd_b = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        for (int m = 0; m < M; m++) {
+            int64_t qs = (m0 + m) * spans + s;
+            const int8_t *xs = q + qs * SPAN;      /* evens (64), then odds (64) */
+            __m256i d0 = _mm256_add_epi16(
+                _mm256_maddubs_epi16(even_a, _mm256_loadu_si256((const __m256i *)xs)),
+                _mm256_maddubs_epi16(odd_a, _mm256_loadu_si256((const __m256i *)(xs + 64))));
+            __m256i d1 = _mm256_add_epi16(
+                _mm256_maddubs_epi16(even_b, _mm256_loadu_si256((const __m256i *)(xs + 32))),
+                _mm256_maddubs_epi16(odd_b, _mm256_loadu_si256((const __m256i *)(xs + 96))));
+            total[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d0, ones)),
+                                          _mm256_set1_ps(xscale[2 * qs] * ws), total[0][m]);
+            total[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d1, ones)),
+                                          _mm256_set1_ps(xscale[2 * qs + 1] * ws), total[1][m]);
+            corr[m] += ws * sum128[qs];
+        }
+    }
+    for (int m = 0; m < M; m++)      /* the nibbles hold v + 8 */
+        out[m * ldy] = sum8(_mm256_add_ps(total[0][m], total[1][m])) - 8.0f * corr[m];
+}
+
+__attribute__((target("avx2,fma")))
+static inline __attribute__((always_inline)) void int4_rows_avx2_m(
+        const qrows_t *x, int64_t m0, const int M, const uint8_t *w, int64_t row_bytes,
+        int64_t N, const float *wscale, int64_t per_row, int64_t group, float *out,
+        int64_t ldy) {
+    for (int64_t n = 0; n < N; n++)
+        int4_row_avx2_m(x, m0, M, w + n * row_bytes, wscale + n * per_row, group, out + n,
+                        ldy);
+}
+
+/* int4 weight rows [0, N) against x rows m0 .. m0 + M quantized with pairs 128, on AVX2 */
+__attribute__((target("avx2,fma")))
+static void int4_rows_avx2(const qrows_t *x, int64_t m0, int M, const uint8_t *w,
+                           int64_t row_bytes, int64_t N, const float *wscale, int64_t per_row,
+                           int64_t group, float *out, int64_t ldy) {
+    ROWS_CONSTANT(M, int4_rows_avx2_m, x, m0, w, row_bytes, N, wscale, per_row, group, out,
+                  ldy)
+}
+
 /* block b of an int8 weight row (64 values, + 128 as VNNI takes them) against x rows m0 ..
  * m0 + M: total[m] += their sums times the x row's block scale */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
