@@ -325,9 +325,9 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     int bf16_avx2 = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX2;
     float *rows_f = bf16_avx2 ? widen_rows(rows, H, num_rows, H, isa) : NULL;
     float *act_f = bf16_avx2 ? malloc(sizeof(float) * (size_t)(num_rows * I)) : NULL;
-    int avx512 = isa != ISA_PLAIN && has_vnni;
-    if ((quantized && !(qrows_alloc(&q13, num_rows, H, pairs, avx512)
-                        && qrows_alloc(&q2, num_rows, I, pairs, avx512)))
+    int vec = isa == ISA_PLAIN ? QUANT_PLAIN : has_vnni ? QUANT_AVX512 : QUANT_AVX2;
+    if ((quantized && !(qrows_alloc(&q13, num_rows, H, pairs, vec)
+                        && qrows_alloc(&q2, num_rows, I, pairs, vec)))
         || (bf16_avx2 && (rows_f == NULL || act_f == NULL))) {
         qrows_free(&q13);
         qrows_free(&q2);
