@@ -24,7 +24,7 @@ import torch
 from mox.bench.micro.native_ab import base_build
 from mox.bench.micro.quant_kernels import quantized_pool
 from mox.kernels import native, native_build
-from mox.kernels.quant import INT4_GROUP128, INT8_PER_CHANNEL
+from mox.kernels.quant import FP8_BLOCK128, INT4_GROUP128, INT8_PER_CHANNEL
 
 POOL_BYTES = 512 << 20          # bf16 experts in the pool: well past the L3
 CALLS = 48
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).bfloat16()
     w2 = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
     pools = {"bf16": (w13, w2, None), "int8": quantized_pool(w13, w2, INT8_PER_CHANNEL),
-             "int4": quantized_pool(w13, w2, INT4_GROUP128)}
+             "int4": quantized_pool(w13, w2, INT4_GROUP128),
+             "fp8": quantized_pool(w13, w2, FP8_BLOCK128)}
     with tempfile.TemporaryDirectory() as folder:
         paths = {"new": native_build.build(native.SOURCE_DIR)}
         if args.base:

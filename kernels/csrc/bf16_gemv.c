@@ -31,7 +31,9 @@ int mox_vector_isa(void) {
     __builtin_cpu_init();
     if (mox_has_avx512bf16())
         return ISA_AVX512BF16;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    /* (F16C widens FP8 weights: row_fp8_avx2; every AVX2 CPU has it) */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
     return ISA_PLAIN;
 }
