@@ -8,8 +8,8 @@
  * to w + 128, int4 nibbles are stored as v + 8, MXFP4 codes looked up as 2v + 12
  * (quant_rows.h), and the offset times the activations' block sums is subtracted once per
  * row; CPUs with AVX2 but not VNNI take two instructions for it (quant_rows.h's
- * block_dot_avx2). FP8 weights are widened to bf16 in registers and meet the bf16
- * activations. Built with
+ * block_dot_avx2). FP8 weights are widened in registers (to bf16 for AVX512-BF16, through
+ * F16C to float32 for AVX2: fp8_rows.h) and meet the bf16 activations. Built with
  * every csrc/*.c into one library (mox/kernels/native.py); the plain-C paths compute the same
  * sums everywhere.
  */
@@ -23,6 +23,7 @@
 #include "bf16.h"
 #include "rows.h"
 #include "quant_rows.h"
+#include "fp8_rows.h"
 #include "vexp.h"
 #include "exported.h"
 
@@ -325,7 +326,9 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     int bf16_avx2 = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX2;
     float *rows_f = bf16_avx2 ? widen_rows(rows, H, num_rows, H, isa) : NULL;
     float *act_f = bf16_avx2 ? malloc(sizeof(float) * (size_t)(num_rows * I)) : NULL;
-    int vec = isa == ISA_PLAIN ? QUANT_PLAIN : has_vnni ? QUANT_AVX512 : QUANT_AVX2;
+    int vec = isa == ISA_PLAIN ? QUANT_PLAIN
+              : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                  ? QUANT_AVX512 : QUANT_AVX2;
     if ((quantized && !(qrows_alloc(&q13, num_rows, H, pairs, vec)
                         && qrows_alloc(&q2, num_rows, I, pairs, vec)))
         || (bf16_avx2 && (rows_f == NULL || act_f == NULL))) {

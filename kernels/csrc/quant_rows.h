@@ -3,10 +3,8 @@
  * with one float scale each; VPDPBUSD multiplies 64 unsigned weight bytes by 64 signed
  * activation bytes, so weights are held as unsigned values with an offset (int8: w + 128,
  * int4: v + 8 as stored, MXFP4: 2v + 12 from its E2M1 codes), the offset's share subtracted
- * from the sums; without VNNI, AVX2 does the same in two steps (block_dot_avx2). FP8 (E4M3)
- * weights are not integers: they meet the bf16 activations as they
- * are, each byte widened to bf16 in registers (its exponent rebiased) for AVX512-BF16, or
- * both widened to float32 for AVX2.
+ * from the sums; without VNNI, AVX2 does the same in two steps (block_dot_avx2; int4 in spans
+ * of 128: int4_rows_avx2). FP8 (E4M3) weights are not integers: fp8_rows.h.
  */
 #ifndef MOX_QUANT_ROWS_H
 #define MOX_QUANT_ROWS_H
@@ -32,15 +30,16 @@ enum { QUANT_PLAIN, QUANT_AVX2, QUANT_AVX512 };
  * pools (two values a byte, the low nibble first) meet q deinterleaved within spans of
  * `pairs` values, as the nibbles unpack: lane i of a span holds value 2i, lane pairs / 2 + i
  * value 2i + 1 (pairs 64: one block, one 32-byte load of weights; 128: two blocks, one
- * 64-byte load, int4_rows_vnni); pairs 0: in order. */
+ * 64-byte load, int4_rows_vnni, or two 32-byte loads, int4_rows_avx2); pairs 0: in order. */
 typedef struct {
     int8_t *q;
     float *scale;
     float *sum32;
-    float *sum128;     /* pairs 128: per span the four sum32 added (int4_row_vnni_m) */
+    float *sum128;     /* pairs 128: per span the four sum32 added (int4_row_*_m) */
     int64_t K;
     int pairs;
-    int vec;           /* quantize_blocks' vectors: QUANT_AVX512 (F and BW), QUANT_AVX2, 0 */
+    int vec;           /* quantize_blocks' vectors: QUANT_AVX512 (F and BW), QUANT_AVX2 or
+                        * QUANT_PLAIN */
 } qrows_t;
 
 /* per span of row p that [b0, b1) covers whole (callers pass even bounds), its four sum32
@@ -104,8 +103,11 @@ static void quantize_blocks_avx512(const uint16_t *x, const qrows_t *qx, int64_t
         float top = _mm512_reduce_max_ps(amax);
         __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
         __m512i t[4];
-        for (int j = 0; j < 4; j++)
-            t[j] = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv));
+        for (int j = 0; j < 4; j++) {           /* a NaN product (NaN, or inf * 0): 0, as plain */
+            __m512 scaled = _mm512_mul_ps(v[j], inv);
+            t[j] = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q),
+                                            scaled);
+        }
         float scale = top / 127.0f;
         qx->scale[p * nb + b] = scale;
         qx->sum32[2 * (p * nb + b)] =
@@ -131,19 +133,40 @@ static void quantize_blocks_avx512(const uint16_t *x, const qrows_t *qx, int64_t
     }
 }
 
-/* quantize_blocks_avx512's bits in 8 lanes (AVX2 without AVX-512: the scalar loop was ~9% of
- * an int4 expert call at one row, perf). Bytes leave in order: packs_epi32 / packs_epi16 keep
- * 128-bit lanes apart, so one permute puts them back; packed pools then split evens from odds
- * with a byte shuffle per 16 values and a permute. */
+/* A block's 64 int8 values (8 vectors of int32, in order) stored as qrows_t lays them out:
+ * in order (pairs 0), or split into evens and odds within the span. packs_epi32 / packs_epi16
+ * keep 128-bit lanes apart, so one permute puts the bytes back in order; a byte shuffle per
+ * 16 values and a permute then split evens from odds. */
 __attribute__((target("avx2,fma")))
-static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
-                                 int64_t b1) {
-    int64_t K = qx->K, nb = K / QBLOCK, pairs = qx->pairs;
-    int8_t *q = qx->q + p * K;
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+static inline void store_block_avx2(const __m256i *t, int8_t *q, int64_t b, int64_t pairs) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    int64_t span = pairs ? b * QBLOCK & -pairs : 0, offset = pairs ? b * QBLOCK & (pairs - 1) : 0;
+    int8_t *at_even = q + span + offset / 2, *at_odd = q + span + (pairs + offset) / 2;
+    for (int h = 0; h < 2; h++) {                   /* values 0-31, then 32-63 */
+        __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(t[4 * h], t[4 * h + 1]),
+                                           _mm256_packs_epi32(t[4 * h + 2], t[4 * h + 3]));
+        __m256i bytes = _mm256_permutevar8x32_epi32(words, order);
+        if (!pairs) {
+            _mm256_storeu_si256((__m256i *)(q + b * QBLOCK + 32 * h), bytes);
+            continue;
+        }
+        /* 16 evens in the low half, 16 odds in the high */
+        __m256i parts = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split),
+                                                 _MM_SHUFFLE(3, 1, 2, 0));
+        _mm_storeu_si128((__m128i *)(at_even + 16 * h), _mm256_castsi256_si128(parts));
+        _mm_storeu_si128((__m128i *)(at_odd + 16 * h), _mm256_extracti128_si256(parts, 1));
+    }
+}
+
+/* quantize_blocks_avx512's bits in 8 lanes (AVX2 without AVX-512: the scalar loop was ~9% of
+ * an int4 expert call at one row, perf) */
+__attribute__((target("avx2,fma")))
+static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
+                                 int64_t b1) {
+    int64_t K = qx->K, nb = K / QBLOCK;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = b0; b < b1; b++) {
         const uint16_t *src = x + p * K + b * QBLOCK;
         __m256 v[8], amax = _mm256_setzero_ps();
@@ -157,8 +180,11 @@ static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p
         float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
         __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
         __m256i t[8];
-        for (int j = 0; j < 8; j++)             /* rounds to nearest even, as lrintf */
-            t[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+        for (int j = 0; j < 8; j++) {   /* nearest even, as lrintf; a NaN product: 0, as plain */
+            __m256 scaled = _mm256_mul_ps(v[j], inv);
+            t[j] = _mm256_and_si256(_mm256_cvtps_epi32(scaled),
+                                    _mm256_castps_si256(_mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q)));
+        }
         float scale = top / 127.0f;
         __m256i half0 = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
         __m256i half1 = _mm256_add_epi32(_mm256_add_epi32(t[4], t[5]), _mm256_add_epi32(t[6], t[7]));
@@ -169,25 +195,7 @@ static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p
         qx->scale[p * nb + b] = scale;
         qx->sum32[2 * (p * nb + b)] = scale * (float)(lanes[0] + lanes[4]);
         qx->sum32[2 * (p * nb + b) + 1] = scale * (float)(lanes[1] + lanes[5]);
-        __m256i bytes[2];                        /* values 0-31, 32-63, in order */
-        for (int h = 0; h < 2; h++) {
-            __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(t[4 * h], t[4 * h + 1]),
-                                               _mm256_packs_epi32(t[4 * h + 2], t[4 * h + 3]));
-            bytes[h] = _mm256_permutevar8x32_epi32(words, order);
-        }
-        if (!pairs) {
-            _mm256_storeu_si256((__m256i *)(q + b * QBLOCK), bytes[0]);
-            _mm256_storeu_si256((__m256i *)(q + b * QBLOCK + 32), bytes[1]);
-            continue;
-        }
-        int64_t span = b * QBLOCK & -pairs, offset = b * QBLOCK & (pairs - 1);
-        int8_t *at_even = q + span + offset / 2, *at_odd = q + span + (pairs + offset) / 2;
-        for (int h = 0; h < 2; h++) {   /* 16 evens in the low half, 16 odds in the high */
-            __m256i parts = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes[h], split),
-                                                     _MM_SHUFFLE(3, 1, 2, 0));
-            _mm_storeu_si128((__m128i *)(at_even + 16 * h), _mm256_castsi256_si128(parts));
-            _mm_storeu_si128((__m128i *)(at_odd + 16 * h), _mm256_extracti128_si256(parts, 1));
-        }
+        store_block_avx2(t, qx->q + p * K, b, qx->pairs);
     }
 }
 
@@ -657,117 +665,6 @@ static void row_q_plain(const qrows_t *x, int64_t m0, int M, const uint8_t *row,
             }
         }
         out[m * ldy] = kind == WEIGHTS_MXFP4 ? 0.5f * sum : sum;
-    }
-}
-
-/* E4M3 (bias 7) -> bf16 (bias 127): normals rebias the exponent (+120: the exponent field
- * sits 7 bits up in bf16, 3 in E4M3, hence the shift of 4); subnormals m * 2^-9 (m = 1..7)
- * are normal bf16 values, looked up (the table padded to the 32 lanes one permute reads).
- * E4M3FN's NaN (0x7f, 0xff) comes out as +-480: weights hold none. */
-#define FP8_REBIAS (120 << 7)
-static const uint16_t FP8_SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0,
-                                                0x3C00, 0x3C20, 0x3C40, 0x3C60};
-
-static inline uint16_t fp8_to_bf16(uint8_t v) {
-    uint16_t em = v & 0x7f, sign = (uint16_t)((v & 0x80) << 8);
-    return sign | (em < 8 ? FP8_SUBNORMAL_BF16[em] : (uint16_t)((em << 4) + FP8_REBIAS));
-}
-
-/* 32 FP8 weights as bf16 */
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static inline __m512bh fp8_as_bf16(const uint8_t *w) {
-    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
-    __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
-    __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
-    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(FP8_REBIAS));
-    __m512i sub = _mm512_permutexvar_epi16(em, _mm512_loadu_si512(FP8_SUBNORMAL_BF16));
-    __mmask32 tiny = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
-    return (__m512bh)_mm512_or_si512(sign, _mm512_mask_blend_epi16(tiny, normal, sub));
-}
-
-/* one FP8 weight row (K values, one scale per `span` of them) against bf16 x rows */
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-static void row_fp8_avx512(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
-                           const float *wscale, int64_t span, int64_t K, float *out,
-                           int64_t ldy) {
-    __m512 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += span) {
-        __m512 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = g0; k < g0 + span; k += 32) {
-            __m512bh w = fp8_as_bf16(row + k);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m],
-                                          (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w);
-        }
-        for (int m = 0; m < M; m++)
-            total[m] = _mm512_fmadd_ps(acc[m], _mm512_set1_ps(wscale[g0 / span]), total[m]);
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = _mm512_reduce_add_ps(total[m]);
-}
-
-/* 16 FP8 (E4M3) weights as float32, 2^-8 of their value (the caller's scale takes the 2^8):
- * an E4M3 byte s.eeee.mmm moved into a half's bits (sign at 15, eeee.mmm at 13..7) is an IEEE
- * half of value 2^-8 times the byte's, subnormals included (E4M3 bias 7, half 15), and F16C
- * widens halves exactly. Four integer ops and two conversions per 16 weights, where
- * rebiasing floats with a blend for subnormals took eleven per 8. E4M3FN's NaN reads +-480,
- * as fp8_to_bf16. */
-__attribute__((target("avx2,fma,f16c")))
-static inline void fp8_as_f32x16(const uint8_t *w, __m256 *lo, __m256 *hi) {
-    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w)), 7);
-    /* bit 14 (the sign, after the shift) added to itself: the sign at 15, bit 14 clear */
-    __m256i half = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
-}
-
-/* row_fp8_avx512 on AVX2: FP8 weights (fp8_as_f32x16) and bf16 activations widened to
- * float32, 16 at a time into two accumulators a row, so the chain of multiply-adds waits on
- * itself half as long (`span` a multiple of 16); compiled per row count (ROWS_CONSTANT), so
- * the accumulators stay in registers */
-__attribute__((target("avx2,fma,f16c")))
-static inline __attribute__((always_inline)) void row_fp8_avx2_m(
-        const uint16_t *x, int64_t ldx, const int M, const uint8_t *row, const float *wscale,
-        int64_t span, int64_t K, float *out, int64_t ldy) {
-    __m256 total[MAX_ROWS];
-    for (int m = 0; m < M; m++) total[m] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += span) {
-        __m256 acc[2][MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-        for (int64_t k = g0; k < g0 + span; k += 16) {
-            __m256 lo, hi;
-            fp8_as_f32x16(row + k, &lo, &hi);
-            for (int m = 0; m < M; m++) {
-                acc[0][m] = _mm256_fmadd_ps(widen8(x + m * ldx + k), lo, acc[0][m]);
-                acc[1][m] = _mm256_fmadd_ps(widen8(x + m * ldx + k + 8), hi, acc[1][m]);
-            }
-        }
-        __m256 scale = _mm256_set1_ps(wscale[g0 / span] * 256.0f);     /* fp8_as_f32x16 */
-        for (int m = 0; m < M; m++)
-            total[m] = _mm256_fmadd_ps(_mm256_add_ps(acc[0][m], acc[1][m]), scale, total[m]);
-    }
-    for (int m = 0; m < M; m++)
-        out[m * ldy] = sum8(total[m]);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void row_fp8_avx2(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
-                         const float *wscale, int64_t span, int64_t K, float *out,
-                         int64_t ldy) {
-    ROWS_CONSTANT(M, row_fp8_avx2_m, x, ldx, row, wscale, span, K, out, ldy)
-}
-
-static void row_fp8_plain(const uint16_t *x, int64_t ldx, int M, const uint8_t *row,
-                          const float *wscale, int64_t span, int64_t K, float *out,
-                          int64_t ldy) {
-    for (int m = 0; m < M; m++) {
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++)
-            sum += wscale[k / span] * bf16_to_f32(x[m * ldx + k])
-                   * bf16_to_f32(fp8_to_bf16(row[k]));
-        out[m * ldy] = sum;
     }
 }
 
