@@ -52,10 +52,28 @@ static void span_sums(const qrows_t *qx, int64_t p, int64_t b0, int64_t b1) {
     }
 }
 
+/* block b of row p: its scale and, per 32 values, scale * sum(q) (the weights' offsets) */
+static inline void set_block_scale(const qrows_t *qx, int64_t p, int64_t b, float scale,
+                                   int64_t total0, int64_t total1) {
+    int64_t i = p * (qx->K / QBLOCK) + b;
+    qx->scale[i] = scale;
+    qx->sum32[2 * i] = scale * (float)total0;
+    qx->sum32[2 * i + 1] = scale * (float)total1;
+}
+
+/* where block b's values go in row q laid out in spans of `pairs` (qrows_t): its evens from
+ * lane offset / 2 of its span, its odds from lane (pairs + offset) / 2 */
+static inline void block_halves(int8_t *q, int64_t b, int64_t pairs, int8_t **evens,
+                                int8_t **odds) {
+    int64_t span = b * QBLOCK & -pairs, offset = b * QBLOCK & (pairs - 1);
+    *evens = q + span + offset / 2;
+    *odds = q + span + (pairs + offset) / 2;
+}
+
 /* blocks [b0, b1) of row p of x (bf16, K values a row) quantized into qx */
 static void quantize_blocks_plain(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
                                   int64_t b1) {
-    int64_t K = qx->K, nb = K / QBLOCK, pairs = qx->pairs;
+    int64_t K = qx->K, pairs = qx->pairs;
     int8_t *q = qx->q + p * K;
     for (int64_t b = b0; b < b1; b++) {
         float v[QBLOCK], amax = 0.0f;
@@ -74,10 +92,7 @@ static void quantize_blocks_plain(const uint16_t *x, const qrows_t *qx, int64_t 
             q[span + (!pairs ? o : o & 1 ? pairs / 2 + o / 2 : o / 2)] = (int8_t)t;
             total[i / 32] += t;
         }
-        float scale = amax / 127.0f;
-        qx->scale[p * nb + b] = scale;
-        qx->sum32[2 * (p * nb + b)] = scale * (float)total[0];
-        qx->sum32[2 * (p * nb + b) + 1] = scale * (float)total[1];
+        set_block_scale(qx, p, b, amax / 127.0f, total[0], total[1]);
     }
 }
 
@@ -87,7 +102,7 @@ static void quantize_blocks_plain(const uint16_t *x, const qrows_t *qx, int64_t 
 __attribute__((target("avx512f,avx512bw")))
 static void quantize_blocks_avx512(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
                                    int64_t b1) {
-    int64_t K = qx->K, nb = K / QBLOCK, pairs = qx->pairs;
+    int64_t K = qx->K, pairs = qx->pairs;
     int8_t *q = qx->q + p * K;
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                             28, 30);
@@ -108,22 +123,17 @@ static void quantize_blocks_avx512(const uint16_t *x, const qrows_t *qx, int64_t
             t[j] = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q),
                                             scaled);
         }
-        float scale = top / 127.0f;
-        qx->scale[p * nb + b] = scale;
-        qx->sum32[2 * (p * nb + b)] =
-            scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(t[0], t[1]));
-        qx->sum32[2 * (p * nb + b) + 1] =
-            scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(t[2], t[3]));
+        set_block_scale(qx, p, b, top / 127.0f,
+                        _mm512_reduce_add_epi32(_mm512_add_epi32(t[0], t[1])),
+                        _mm512_reduce_add_epi32(_mm512_add_epi32(t[2], t[3])));
         if (!pairs) {
             for (int j = 0; j < 4; j++)
                 _mm_storeu_si128((__m128i *)(q + b * QBLOCK + 16 * j),
                                  _mm512_cvtepi32_epi8(t[j]));
             continue;
         }
-        /* deinterleaved within the span (qrows_t): evens from lane offset / 2, odds from
-         * lane (pairs + offset) / 2 */
-        int64_t span = b * QBLOCK & -pairs, offset = b * QBLOCK & (pairs - 1);
-        int8_t *at_even = q + span + offset / 2, *at_odd = q + span + (pairs + offset) / 2;
+        int8_t *at_even, *at_odd;
+        block_halves(q, b, pairs, &at_even, &at_odd);
         for (int h = 0; h < 2; h++) {
             __m512i e = _mm512_permutex2var_epi32(t[2 * h], evens, t[2 * h + 1]);
             __m512i o = _mm512_permutex2var_epi32(t[2 * h], odds, t[2 * h + 1]);
@@ -142,8 +152,9 @@ static inline void store_block_avx2(const __m256i *t, int8_t *q, int64_t b, int6
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    int64_t span = pairs ? b * QBLOCK & -pairs : 0, offset = pairs ? b * QBLOCK & (pairs - 1) : 0;
-    int8_t *at_even = q + span + offset / 2, *at_odd = q + span + (pairs + offset) / 2;
+    int8_t *at_even = NULL, *at_odd = NULL;
+    if (pairs)
+        block_halves(q, b, pairs, &at_even, &at_odd);
     for (int h = 0; h < 2; h++) {                   /* values 0-31, then 32-63 */
         __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(t[4 * h], t[4 * h + 1]),
                                            _mm256_packs_epi32(t[4 * h + 2], t[4 * h + 3]));
@@ -165,7 +176,7 @@ static inline void store_block_avx2(const __m256i *t, int8_t *q, int64_t b, int6
 __attribute__((target("avx2,fma")))
 static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p, int64_t b0,
                                  int64_t b1) {
-    int64_t K = qx->K, nb = K / QBLOCK;
+    int64_t K = qx->K;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = b0; b < b1; b++) {
         const uint16_t *src = x + p * K + b * QBLOCK;
@@ -185,16 +196,15 @@ static void quantize_blocks_avx2(const uint16_t *x, const qrows_t *qx, int64_t p
             t[j] = _mm256_and_si256(_mm256_cvtps_epi32(scaled),
                                     _mm256_castps_si256(_mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q)));
         }
-        float scale = top / 127.0f;
-        __m256i half0 = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
-        __m256i half1 = _mm256_add_epi32(_mm256_add_epi32(t[4], t[5]), _mm256_add_epi32(t[6], t[7]));
+        __m256i half0 = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]),
+                                         _mm256_add_epi32(t[2], t[3]));
+        __m256i half1 = _mm256_add_epi32(_mm256_add_epi32(t[4], t[5]),
+                                         _mm256_add_epi32(t[6], t[7]));
         __m256i sums = _mm256_hadd_epi32(half0, half1);      /* (lanes 0-1, 4-5: half0's) */
         sums = _mm256_hadd_epi32(sums, sums);
         int32_t lanes[8];
         _mm256_storeu_si256((__m256i *)lanes, sums);
-        qx->scale[p * nb + b] = scale;
-        qx->sum32[2 * (p * nb + b)] = scale * (float)(lanes[0] + lanes[4]);
-        qx->sum32[2 * (p * nb + b) + 1] = scale * (float)(lanes[1] + lanes[5]);
+        set_block_scale(qx, p, b, top / 127.0f, lanes[0] + lanes[4], lanes[1] + lanes[5]);
         store_block_avx2(t, qx->q + p * K, b, qx->pairs);
     }
 }
@@ -523,7 +533,7 @@ static inline __attribute__((always_inline)) void int4_row_avx2_m(
     int64_t spans = x->K / SPAN, per_group = group / SPAN;
     const int8_t *q = x->q;
     const float *xscale = x->scale, *sum128 = x->sum128;
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 total[2][MAX_ROWS];
     float corr[MAX_ROWS] = {0};
     for (int m = 0; m < M; m++) total[0][m] = total[1][m] = _mm256_setzero_ps();
@@ -533,21 +543,19 @@ static inline __attribute__((always_inline)) void int4_row_avx2_m(
             ws = wscale[++g];
             group_end += per_group;
         }
-        const uint8_t *w = row + s * (SPAN / 2);
-        _mm_prefetch((const char *)(w + PREFETCH_AHEAD_QUANT), _MM_HINT_T0);
-        __m256i a = _mm256_loadu_si256((const __m256i *)w);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(w + 32));
-        __m256i even_a = _mm256_and_si256(a, low), odd_a = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-        __m256i even_b = _mm256_and_si256(b, low), odd_b = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        _mm_prefetch((const char *)(row + s * (SPAN / 2) + PREFETCH_AHEAD_QUANT), _MM_HINT_T0);
+        /* each block's nibbles: w0 its evens, w1 its odds */
+        bytes_avx2_t a = weight_bytes_avx2(row, s * SPAN, WEIGHTS_INT4);
+        bytes_avx2_t b = weight_bytes_avx2(row, s * SPAN + QBLOCK, WEIGHTS_INT4);
         for (int m = 0; m < M; m++) {
             int64_t qs = (m0 + m) * spans + s;
             const int8_t *xs = q + qs * SPAN;      /* evens (64), then odds (64) */
             __m256i d0 = _mm256_add_epi16(
-                _mm256_maddubs_epi16(even_a, _mm256_loadu_si256((const __m256i *)xs)),
-                _mm256_maddubs_epi16(odd_a, _mm256_loadu_si256((const __m256i *)(xs + 64))));
+                _mm256_maddubs_epi16(a.w0, _mm256_loadu_si256((const __m256i *)xs)),
+                _mm256_maddubs_epi16(a.w1, _mm256_loadu_si256((const __m256i *)(xs + 64))));
             __m256i d1 = _mm256_add_epi16(
-                _mm256_maddubs_epi16(even_b, _mm256_loadu_si256((const __m256i *)(xs + 32))),
-                _mm256_maddubs_epi16(odd_b, _mm256_loadu_si256((const __m256i *)(xs + 96))));
+                _mm256_maddubs_epi16(b.w0, _mm256_loadu_si256((const __m256i *)(xs + 32))),
+                _mm256_maddubs_epi16(b.w1, _mm256_loadu_si256((const __m256i *)(xs + 96))));
             total[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d0, ones)),
                                           _mm256_set1_ps(xscale[2 * qs] * ws), total[0][m]);
             total[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d1, ones)),

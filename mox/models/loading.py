@@ -67,12 +67,12 @@ def _pieces(infos: list[TensorInfo], host: dict[str, torch.Tensor], most: int
     """The tensors' bytes as reads of at most `most` bytes each (in order; a large tensor
     split, small ones together): each read's ranges and the flat byte views they fill."""
     pieces: list[tuple[list[ByteRange], list[torch.Tensor]]] = []
-    size = most
+    size = 0                                    # bytes in the last piece
     for info in infos:
         flat = host[info.name].view(-1).view(torch.uint8)
         for start in range(0, info.nbytes, most):
             length = min(most, info.nbytes - start)
-            if size + length > most:
+            if not pieces or size + length > most:
                 pieces.append(([], []))
                 size = 0
             pieces[-1][0].append(ByteRange(info.file, info.offset + start, length, info.name))
