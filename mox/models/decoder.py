@@ -162,6 +162,8 @@ class MoEDecoder:
         """The stream after the last layer -> logits `[S, V]` f32 of the sampled rows."""
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]                                               # [S, H]
+        if x.shape[0] == 0:           # a prompt's chunk that samples nothing (chunked prefill)
+            return x.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
         return linear(x, self.lm_head).float()
 
