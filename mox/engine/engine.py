@@ -56,12 +56,14 @@ class Engine:
     def __init__(self, kv_memory_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  config: SchedulerConfig | None = None,
                  compute_threads: int | None = None,
+                 max_threads: int | None = None,
                  io_busy: Callable[[], bool] | None = None,
                  interrupt: Callable[[], bool] | None = None) -> None:
-        # torch intra-op threads for steps (None: what the process had at start, less the
-        # cores other processes keep busy, less one while `io_busy()`)
-        self.compute_threads = compute_threads or COMPUTE_THREADS
-        self._shared_cores = None if compute_threads else SharedCores(COMPUTE_THREADS)
+        # torch intra-op threads for steps (None: `max_threads`, by default what the process
+        # had at start, less the cores other processes keep busy, less one while `io_busy()`)
+        self.compute_threads = compute_threads or max_threads or COMPUTE_THREADS
+        self._shared_cores = (None if compute_threads
+                              else SharedCores(max_threads or COMPUTE_THREADS))
         self._io_busy = io_busy
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)

@@ -66,6 +66,14 @@ class SharedCores:
         return self.threads
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (all of them where affinity is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                 # not Linux
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class CpuTimes:
     """CPU seconds so far: busy time of the CPUs this process may run on (time the host stole

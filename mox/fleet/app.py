@@ -77,12 +77,7 @@ def build_app(options: FleetOptions, app_name: str = APP_NAME):
     from mox.fleet.replica import replica_class
     from mox.fleet.routing import WarmFirstRouter
 
-    threads = max(1, int(options.cpus_per_replica))
-    replica_options = dataclasses.replace(
-        options.serve, host="127.0.0.1", port=0,
-        router=dataclasses.replace(options.serve.router,
-                                   compute_threads=options.serve.router.compute_threads
-                                   or threads))
+    replica_options = dataclasses.replace(options.serve, host="127.0.0.1", port=0)
     replica = serve.deployment(
         replica_class(models_per_replica(options)), name="MoxReplica",
         max_ongoing_requests=MAX_ONGOING,

@@ -21,6 +21,7 @@ import aiohttp
 import ray
 from ray import serve
 
+from mox.engine.threads import usable_cores
 from mox.fleet.directory import REPORT_PERIOD_S, directory
 from mox.fleet.messages import Exchange, ResponseHead, end_to_end
 from mox.fleet.warmth import replica_report, warm_on_another
@@ -54,7 +55,8 @@ class MoxReplica:
     async def __init__(self, options: ServeOptions, app_name: str) -> None:
         replica_id = serve.get_replica_context().replica_id
         self.replica_id, self._actor = replica_id.unique_id, replica_id.to_full_id_str()
-        self.serving = await start_serving(_own_step_log(options, self.replica_id))
+        self.serving = await start_serving(_share_cores(_own_step_log(options,
+                                                                      self.replica_id)))
         self._base = f"http://127.0.0.1:{self.serving.port}"
         # no total timeout: a stream lasts as long as its generation; the mox server's own
         # limits bound each request
@@ -148,6 +150,19 @@ def _own_step_log(options: ServeOptions, replica_id: str) -> ServeOptions:
     stem, dot, rest = name.partition(".")
     own = os.path.join(folder, f"{stem}-{replica_id}{dot}{rest}")
     router = dataclasses.replace(options.router, step_log=own)
+    return dataclasses.replace(options, router=router)
+
+
+def _share_cores(options: ServeOptions) -> ServeOptions:
+    """Unless `--compute-threads` fixes a count, a replica's engine may use every core of its
+    node, less those its neighbours (the other replicas, Ray) keep busy, as one `mox serve`
+    does (mox.engine.threads.SharedCores). Ray starts an actor with one OpenMP thread per CPU
+    it reserved, so the engine's default ceiling would be that share: with two replicas on two
+    cores, a replica stepping alone then left one core idle."""
+    if options.router.compute_threads is not None:
+        return options
+    router = dataclasses.replace(options.router,
+                                 max_compute_threads=usable_cores())
     return dataclasses.replace(options, router=router)
 
 

@@ -40,7 +40,9 @@ class RouterConfig:
     max_waiting_per_model: int = 256
     max_waiting: int = 1024
     queue_timeout_s: float = 120.0
-    compute_threads: int | None = None    # torch intra-op threads for steps (None: all)
+    compute_threads: int | None = None    # torch intra-op threads for steps (None: all,
+                                          # less the cores other processes keep busy)
+    max_compute_threads: int | None = None  # "all" above (None: the process's count at start)
     step_log: str | None = None           # append each step's record here (JSON lines)
 
     def __post_init__(self) -> None:

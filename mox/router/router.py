@@ -86,6 +86,7 @@ class Router:
                                                     tpot_target_s=config.tpot_target_s,
                                                     decode_steps=config.decode_steps),
                              compute_threads=config.compute_threads,
+                             max_threads=config.max_compute_threads,
                              io_busy=lambda: self.pager.loader.reader.busy,
                              interrupt=self._interrupted)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)

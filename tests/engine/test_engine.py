@@ -217,6 +217,23 @@ def test_the_engine_leaves_the_cores_its_neighbours_use(monkeypatch):
     assert threads.SharedCores(max_threads=4).current() == 4          # no /proc: every core
 
 
+def test_the_engine_shares_up_to_the_ceiling_it_is_given(monkeypatch):
+    """A fleet replica's process starts with Ray's one thread per reserved CPU; given the
+    node's cores as its ceiling, its engine steps on all of them when no neighbour is busy."""
+    import mox.engine.threads as threads
+
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)          # no neighbours to leave
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Engine(16 << 20, max_threads=3).step()
+        assert torch.get_num_threads() == 3
+        Engine(16 << 20, compute_threads=2, max_threads=3).step()     # a fixed count wins
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 
 def test_the_engine_steps_with_one_thread_fewer_while_reads_are_in_flight(monkeypatch):
     """The pager's I/O threads want a core while reads land: the engine's team shrinks by one

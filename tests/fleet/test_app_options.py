@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mox.fleet.app import UNBOUNDED, FleetOptions, _scaling, models_per_replica
+from mox.router.config import RouterConfig
 from mox.serve import ServeOptions
 
 
@@ -30,6 +31,17 @@ def test_an_unbounded_set_is_one_ray_serve_takes():
     assert replica_class(UNBOUNDED).hold is not None      # Ray refuses 0 and other negatives
     with pytest.raises(ValueError):
         replica_class(0)
+
+
+def test_a_replica_may_use_every_core_of_its_node_unless_given_a_count(monkeypatch):
+    pytest.importorskip("ray")
+    from mox.fleet import replica
+
+    monkeypatch.setattr(replica, "usable_cores", lambda: 6)
+    shared = replica._share_cores(ServeOptions())
+    assert (shared.router.compute_threads, shared.router.max_compute_threads) == (None, 6)
+    fixed = ServeOptions(router=RouterConfig(compute_threads=1))
+    assert replica._share_cores(fixed) == fixed
 
 
 def test_a_set_bound_below_one_is_refused_before_ray_starts(capsys, tmp_path):
