@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "rows.h"
+#include "int4_span_rows.h"
 #include "quant_rows.h"
 #include "fp8_rows.h"
 #include "vexp.h"

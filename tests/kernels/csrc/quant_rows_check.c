@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "int4_span_rows.h"
 #include "quant_rows.h"
 #include "fp8_rows.h"
 
