@@ -130,6 +130,9 @@ class Router:
             error = self._unfit(name)
         if error:
             model.state, model.error = ModelState.FAILED, error
+            self.engine.remove_model(name)           # so it holds no share of the budget
+            model.pool.close()
+            model.pool = None
             return model
         if self.policy.pins_models:
             self._start_load(model, whole=True)
@@ -140,10 +143,24 @@ class Router:
     def _unfit(self, name: str) -> str | None:
         """Why the budget can never run the model as it is set up, or None."""
         try:
-            self.policy.check_fits(self._view(), name)
+            self._check_fits(self._view(), name)
         except MoxError as e:
             return str(e)
         return None
+
+    def _check_fits(self, view: MemoryView, name: str) -> None:
+        """The model must fit as it is set up, and leave every other model room to run: a
+        model that shrinks an equal split below another's top_k, or a pin that leaves
+        another less than its minimum, is refused (MoxError), not the models serving."""
+        self.policy.check_fits(view, name)
+        for other in view.models:
+            if other.name == name:
+                continue
+            try:
+                self.policy.check_fits(view, other.name)
+            except MoxError as e:
+                raise MoxError(f"serving model {name!r} as set up would leave model "
+                               f"{other.name!r} unable to run: {e}") from None
 
     def configure(self, name: str, settings: ModelSettings) -> None:
         """New operator settings for a served model: a newly pinned cold model loads whole as
@@ -153,7 +170,7 @@ class Router:
         previous, model.settings = model.settings, settings
         try:
             view = self._view()
-            self.policy.check_fits(view, name)
+            self._check_fits(view, name)
             if not self.policy.holding_fits(view):
                 raise MoxError(f"model {name!r} cannot be pinned while the models holding "
                                "memory need the rest of the budget; try again when they idle")

@@ -334,7 +334,7 @@ def test_a_pin_makes_room_by_parking_idle_models_or_is_refused(hf_checkpoints):
 
 def test_model_swap_loads_and_evicts_whole_models(hf_checkpoints):
     clock = FakeClock()
-    probe = _router(hf_checkpoints, names=("p",), experts=0)
+    probe = _router(hf_checkpoints, names=("p",))
     whole = probe.models["p"].dense_nbytes + 16 * probe.models["p"].pool.expert_nbytes
     router = _router(hf_checkpoints, clock=clock, policy="model-swap", experts=0,
                      device_memory=whole + 1000)            # one whole model at a time
@@ -381,6 +381,37 @@ def test_a_broken_checkpoint_fails_only_its_model(hf_checkpoints, tmp_path):
     router.add_request(Request("y", "good", [3], _params(2)))
     _run(router, None, _finished(["y"]))
     assert router.snapshot()["models"]["bad"]["state"] == "failed"
+
+
+def test_a_model_that_would_leave_another_no_room_is_refused_and_the_others_serve(
+        hf_checkpoints):
+    """Models are checked against the budget as they are added: one that shrinks the equal
+    split below another's top_k fails (holding no share), and a pin that leaves another
+    model less than its minimum is dropped; the models before them serve (a parked plan of
+    zero slots used to reach the engine and fail every request with an internal error)."""
+    probe = _router(hf_checkpoints, names=("p",))
+    dense = probe.models["p"].dense_nbytes
+    experts = probe.models["p"].pool.expert_nbytes * probe.models["p"].pool.top_k
+    path = hf_checkpoints["olmoe"][0]
+    # lru: two models' equal shares hold top_k experts each, three models' would not
+    router = _router(hf_checkpoints, names=("a", "b"), policy="lru",
+                     device_memory=2 * dense + 2 * experts)
+    router.add_model("c", path)
+    assert router.models["c"].state == ModelState.FAILED
+    assert "equal split" in router.models["c"].error and router.models["c"].pool is None
+    with pytest.raises(ModelUnavailableError, match="equal split"):
+        router.add_request(Request("x", "c", [3], _params(2)))
+    # rate: a whole pinned model beside another's minimum is more than the budget
+    whole = dense + 16 * probe.models["p"].pool.expert_nbytes
+    pinned = _router(hf_checkpoints, names=("a",), device_memory=whole + dense)
+    pinned.add_model("c", path, ModelSettings(pin=True))
+    assert not pinned.models["c"].settings.pin and pinned.models["c"].state != ModelState.FAILED
+    for served in (router, pinned):
+        for i, name in enumerate(n for n in ("a", "b", "c") if n in served.models
+                                 and served.models[n].state != ModelState.FAILED):
+            served.add_request(Request(f"r{i}", name, [3, 4, 5], _params(3)))
+        outputs = _run(served, None, _finished([f"r{i}" for i in range(2)]))
+        assert all(out.error is None for outs in outputs.values() for out in outs)
 
 
 @pytest.mark.parametrize("policy", ROUTER_POLICIES)
