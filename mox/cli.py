@@ -15,6 +15,7 @@ from mox.errors import MoxError
 
 if TYPE_CHECKING:                  # the router imports torch: `mox --help` should not wait on it
     from mox.router import RouterConfig
+    from mox.server.limits import ServerLimits
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -54,8 +55,6 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from mox.serve import ServeOptions, serve
-    from mox.server.limits import ServerLimits
-    from mox.units import parse_size
 
     logging.basicConfig(level=logging.INFO, format="mox: %(message)s")
     config = router_config(args)
@@ -65,17 +64,30 @@ def _serve(args: argparse.Namespace) -> int:
                      "expert slots (device budget %s bytes)", args.host_memory,
                      tiered.device_memory)
     config = tiered
-    limits = ServerLimits(
-        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        max_body_bytes=parse_size(args.max_body_size), max_connections=args.max_connections,
-        default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
-        shutdown_grace_s=args.shutdown_grace)
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config,
-                           limits)
+                           server_limits(args))
     if args.ray:
         return _serve_on_ray(args, options)
     return asyncio.run(serve(options))
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The HTTP server's limits from `mox serve`'s options (MoxError if they disagree)."""
+    from mox.server.limits import ServerLimits
+    from mox.units import parse_size
+
+    # (a cap below the default output limit lowers that default, unless one was given)
+    default_max_tokens = (args.default_max_tokens if args.default_max_tokens is not None
+                          else min(ServerLimits.default_max_tokens, args.max_tokens_cap))
+    try:
+        return ServerLimits(
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            max_body_bytes=parse_size(args.max_body_size), max_connections=args.max_connections,
+            default_max_tokens=default_max_tokens, max_tokens_cap=args.max_tokens_cap,
+            shutdown_grace_s=args.shutdown_grace)
+    except ValueError as e:
+        raise MoxError(str(e)) from None
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -198,8 +210,9 @@ def _add_limit_arguments(group) -> None:
                        help="largest request body, e.g. 1MiB (413 past it)")
     group.add_argument("--max-connections", type=int, default=d.max_connections,
                        help="open connections at once (503 and close past it)")
-    group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
-                       help="output limit of a chat request that sets none")
+    group.add_argument("--default-max-tokens", type=int,
+                       help=f"output limit of a chat request that sets none (default "
+                       f"{d.default_max_tokens}, or --max-tokens-cap if lower)")
     group.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
                        help="the most output tokens one request may ask for (400 past it)")
     group.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,

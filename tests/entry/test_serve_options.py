@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mox.cli import build_parser, router_config
-from mox.errors import InvalidRequestError
+from mox.cli import build_parser, router_config, server_limits
+from mox.errors import InvalidRequestError, MoxError
 
 
 def test_serve_options_reach_the_router_config():
@@ -22,3 +22,16 @@ def test_a_tpot_target_that_is_not_a_positive_time_is_refused(ms):
     args = build_parser().parse_args(["serve", "--tpot-target", ms])
     with pytest.raises(InvalidRequestError, match="TPOT target"):
         router_config(args)
+
+
+def test_a_cap_below_the_default_output_limit_lowers_the_default():
+    def limits(*argv):
+        return server_limits(build_parser().parse_args(["serve", *argv]))
+
+    assert limits("--max-tokens-cap", "100").default_max_tokens == 100
+    assert limits().default_max_tokens == 2048 and limits().max_tokens_cap == 16384
+    assert limits("--max-tokens-cap", "100", "--default-max-tokens", "50").default_max_tokens == 50
+    with pytest.raises(MoxError, match="default_max_tokens 500 is above max_tokens_cap 100"):
+        limits("--max-tokens-cap", "100", "--default-max-tokens", "500")
+    with pytest.raises(MoxError, match="positive"):
+        limits("--max-tokens-cap", "0")
