@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -11,6 +12,27 @@ from mox.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, which byte-level BPE vocabularies are written in: each
+    byte as a printable character (printable Latin-1 bytes as themselves, the rest from
+    U+0100 on), here mapped back to the byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -24,6 +46,8 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
+        self._added = set(self._tok.get_added_tokens_decoder())
+        self._pieces = _piece_kind(self._tok)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str) -> Tokenizer | None:
@@ -47,6 +71,30 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (for logprobs): a byte-level token may hold part of a
+        character, which decoding the token alone turns into U+FFFD."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added:
+            if self._pieces == "byte_level" and all(c in BYTE_LEVEL for c in piece):
+                return bytes(BYTE_LEVEL[c] for c in piece)
+            if self._pieces == "byte_fallback":
+                byte = BYTE_FALLBACK_PIECE.fullmatch(piece)
+                return (bytes([int(byte.group(1), 16)]) if byte
+                        else piece.replace(SENTENCEPIECE_SPACE, " ").encode())
+        return self.decode([token_id]).encode()
+
+
+def _piece_kind(tok: HFTokenizer) -> str:
+    """How the vocabulary writes a token's bytes: "byte_level" (GPT-2's alphabet),
+    "byte_fallback" (SentencePiece pieces, "<0xNN>" for single bytes) or "text"."""
+    if tok.decoder is None:
+        return "text"
+    decoder = json.loads(tok.decoder.__getstate__())
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    return ("byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds
+            else "text")
 
 
 def _read_json(path: str) -> dict:

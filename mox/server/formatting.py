@@ -4,6 +4,7 @@ writer and the handlers stay endpoint-agnostic."""
 
 from __future__ import annotations
 
+import codecs
 import time
 from typing import Protocol
 
@@ -41,7 +42,9 @@ def _reason(reason: FinishReason | None) -> str | None:
 
 
 class _TokenText:
-    """Each token's own text, for logprobs (`token_id:N` without a tokenizer, as vLLM)."""
+    """Each token's own text and bytes, for logprobs (`token_id:N` without a tokenizer, as
+    vLLM). A token holding part of a character decodes alone to U+FFFD; its bytes are its
+    own."""
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
@@ -51,6 +54,11 @@ class _TokenText:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def bytes(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            return self(token_id).encode()
+        return self.tokenizer.token_bytes(token_id)
+
 
 class CompletionFormat:
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer | None) -> None:
@@ -58,17 +66,20 @@ class CompletionFormat:
         self.created = int(time.time())
         self.token_text = _TokenText(tokenizer)
         self._text_offset = 0
+        # characters of the text before each token: its bytes decoded as they come (a
+        # character split over tokens counts once, at the token that completes it)
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float] | None
                   ) -> CompletionLogprobs | None:
         if not logprobs:
             return None
-        tokens = [self.token_text(t) for t in token_ids]
         offsets = []
-        for token in tokens:
+        for token_id in token_ids:
             offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return CompletionLogprobs(tokens, list(logprobs), offsets)
+            self._text_offset += len(self._text.decode(self.token_text.bytes(token_id)))
+        return CompletionLogprobs([self.token_text(t) for t in token_ids], list(logprobs),
+                                  offsets)
 
     def _completion(self, choices: list[CompletionChoice], **usage) -> Completion:
         return Completion(self.request_id, self.created, self.model, choices, **usage)
@@ -98,9 +109,8 @@ class ChatFormat:
                   ) -> ChatLogprobs | None:
         if not logprobs:
             return None
-        texts = [self.token_text(t) for t in token_ids]
-        return ChatLogprobs([TokenLogprob(text, lp, list(text.encode()))
-                             for text, lp in zip(texts, logprobs)])
+        return ChatLogprobs([TokenLogprob(self.token_text(t), lp, list(self.token_text.bytes(t)))
+                             for t, lp in zip(token_ids, logprobs)])
 
     def chunk(self, out: RequestOutput) -> ChatCompletionChunk:
         # the first chunk names the role, as OpenAI's do
