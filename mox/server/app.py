@@ -47,13 +47,15 @@ SHUTDOWN_END_S = 2.0
 
 
 def _auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):      # constant time
+            # (the scheme's case is free: RFC 9110 11.1)
+            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+            if not (hmac.compare_digest(given.strip().encode(), expected)    # constant time
+                    and scheme.lower() == "bearer"):
                 raise AuthenticationError("missing or invalid API key (Authorization: "
                                           "Bearer <key>)")
         return await handler(request)

@@ -80,7 +80,8 @@ def http_error(exc: BaseException) -> HttpError:
     if isinstance(exc, ModelNotFoundError):
         return api_error(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, AuthenticationError):
-        return api_error(401, str(exc), "invalid_request_error", None, "invalid_api_key")
+        return api_error(401, str(exc), "invalid_request_error", None, "invalid_api_key",
+                         {"WWW-Authenticate": "Bearer"})
     if isinstance(exc, AdmissionError):
         retry_after = max(MIN_RETRY_AFTER_S, math.ceil(exc.retry_after_s))
         return api_error(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",

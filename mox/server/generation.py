@@ -37,6 +37,7 @@ class Generation:
         self.num_generated_tokens = 0
         self._start = time.monotonic()
         self._token_times: list[float] = []     # arrival of each output that carried tokens
+        self._observed = False                  # its finish is in the metrics
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +68,10 @@ class Generation:
             raise RequestAbortedError("the backend ended the request without finishing it")
         finally:
             await stream.aclose()     # aborts the request unless it finished
+            if not self._observed:    # cut short (a disconnect, an abort): its tokens count
+                self.metrics.count_tokens(
+                    self.request.model, self.num_prompt_tokens if self._token_times else 0,
+                    self.num_generated_tokens)
 
     async def collect(self) -> Collected:
         result = Collected()
@@ -82,6 +87,7 @@ class Generation:
         return result
 
     def _observe(self, reason: FinishReason) -> None:
+        self._observed = True
         times = self._token_times
         ttft = (times[0] if times else time.monotonic()) - self._start
         itls = [b - a for a, b in zip(times, times[1:])]

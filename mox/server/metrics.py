@@ -100,9 +100,13 @@ class ServerMetrics:
         for seconds in itls:
             itl.observe(seconds)
         self.e2e.labels(model).observe(e2e_s)
+        self.count_tokens(model, prompt_tokens, generation_tokens)
+        self.request_success.labels(model, finish_reason).inc()
+
+    def count_tokens(self, model: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Tokens processed: every request's, also those cut short (a disconnect)."""
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(generation_tokens)
-        self.request_success.labels(model, finish_reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its Content-Type."""

@@ -8,7 +8,7 @@ silently dropped. `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's extensio
 from __future__ import annotations
 
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -70,15 +70,19 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    # (tool and function messages need tools, which mox refuses)
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
         """The message as chat templates expect it: text content (parts joined by lines)."""
         if isinstance(self.content, list):
-            if any(p.type != "text" or p.text is None for p in self.content):
+            if any(p.type != "text" for p in self.content):
                 raise InvalidRequestError("only text content parts are supported",
+                                          param="messages")
+            if any(p.text is None for p in self.content):
+                raise InvalidRequestError("a text content part needs its `text`",
                                           param="messages")
             content = "\n".join(p.text for p in self.content)
         else:

@@ -84,8 +84,13 @@ def test_openai_client_sees_typed_errors(live):
 def test_api_key_is_required_except_for_probes(fake):
     body = {"model": "echo", "prompt": "hi"}
     assert _post(fake, "/v1/completions", body)[0] == 401
-    status, _, error = _post(fake, "/v1/completions", body, {"Authorization": "Bearer nope"})
+    status, headers, error = _post(fake, "/v1/completions", body, {"Authorization": "Bearer nope"})
     assert (status, error["code"]) == (401, "invalid_api_key")
+    assert headers["WWW-Authenticate"] == "Bearer"
+    assert _post(fake, "/v1/completions", body, {"Authorization": f"Basic {API_KEY}"})[0] == 401
+    # the scheme's case is free
+    assert fake.request("POST", "/v1/completions", body,
+                        {"Authorization": f"bearer {API_KEY}"})[0] == 200
     assert fake.request("GET", "/v1/models")[0] == 401
     assert fake.request("GET", "/health")[0] == 200
     assert fake.request("GET", "/metrics")[0] == 200

@@ -131,8 +131,19 @@ def test_content_parts_are_joined_and_other_parts_refused():
                                                         {"type": "text", "text": "b"}]}])
     assert chat.messages[0].as_template_input() == {"role": "user", "content": "a\nb"}
     image = _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError, match="only text"):
         image.messages[0].as_template_input()
+    empty = _chat(messages=[{"role": "user", "content": [{"type": "text"}]}])
+    with pytest.raises(InvalidRequestError, match="needs its `text`"):
+        empty.messages[0].as_template_input()
+
+
+@pytest.mark.parametrize("role", ["bogus", "tool", "function"])
+def test_a_role_mox_cannot_serve_is_refused(role):
+    with pytest.raises(InvalidRequestError) as e:
+        _chat(messages=[{"role": role, "content": "hi"}])
+    assert e.value.param == "messages[0].role"
+    assert _chat(messages=[{"role": "developer", "content": "hi"}]).messages[0].role == "developer"
 
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -84,6 +84,7 @@ def test_disconnect_aborts_the_request_and_frees_its_kv(live, router_backend, st
     engine = router_backend.router.engine
     assert wait_until(lambda: engine.num_live == 0)
     kv_before = engine.kv_pool.used_bytes
+    tokens_before = _tokens_counted(live)
     # long enough that it is certainly still running when the client leaves
     sock = _raw_request(live.port, {"model": MODEL, "prompt": "Tell me a story",
                                     "max_tokens": 4000, "ignore_eos": True, "stream": stream})
@@ -99,3 +100,14 @@ def test_disconnect_aborts_the_request_and_frees_its_kv(live, router_backend, st
     assert wait_until(lambda: engine.num_live == 0 and engine.kv_pool.used_bytes == kv_before,
                       ABORT_WAIT_S)
     engine.kv_pool.check_integrity()
+    if stream:                  # the tokens it was sent count, though it never finished
+        prompt, generated = _tokens_counted(live)
+        assert prompt > tokens_before[0] and generated >= tokens_before[1] + 2
+
+
+def _tokens_counted(live) -> tuple[float, float]:
+    """The model's prompt and generation token counters, from /metrics."""
+    text = live.request("GET", "/metrics")[2].decode()
+    return tuple(next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(f'mox:{kind}_tokens_total{{model="{MODEL}"}}')), 0.0)
+                 for kind in ("prompt", "generation"))
