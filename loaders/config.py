@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError
+from .json_files import read_json_object
 from .layout import MXFP4_BLOCK_VALUES
 from .quantized import QUANT_METHODS, parse_quantization
 from .rope import ROPE_YARN, RopeSpec, parse_rope, yarn_mscale
@@ -38,15 +38,9 @@ GLM4_MOE_PARTIAL_ROTARY_FACTOR = 0.5
 
 def load_spec(checkpoint_dir: str) -> ModelSpec:
     path = os.path.join(checkpoint_dir, "config.json")
-    if not os.path.isfile(path):
+    config = read_json_object(path)
+    if config is None:
         raise CheckpointError(path, "missing config.json: not a Hugging Face checkpoint folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, f"unreadable config.json: {e}") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(path, "config.json is not a JSON object")
     return parse_config(config, path)
 
 

@@ -9,6 +9,7 @@ import re
 from tokenizers import Tokenizer as HFTokenizer
 
 from mox.errors import CheckpointError
+from mox.loaders.json_files import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -42,7 +43,8 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(path)
         except Exception as e:   # tokenizers raises bare Exception subclasses for bad files
             raise CheckpointError(path, f"cannot load tokenizer: {e}") from e
-        config = _read_json(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE))
+        config = read_json_object(os.path.join(os.path.dirname(path),
+                                               TOKENIZER_CONFIG_FILE)) or {}
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
@@ -97,11 +99,3 @@ def _piece_kind(tok: HFTokenizer) -> str:
             else "text")
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, f"unreadable JSON: {e}") from e

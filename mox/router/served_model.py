@@ -7,7 +7,6 @@ as failed with the error that names the file: the router keeps serving the other
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -16,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mox.errors import CheckpointError, InvalidRequestError, MoxError
+from mox.errors import InvalidRequestError, MoxError
 from mox.loaders import Checkpoint
+from mox.loaders.json_files import read_json_object
 from mox.loaders.threads import use_one_thread
 from mox.messages import ModelSettings, ModelState
 from mox.models import MoEDecoder
@@ -149,14 +149,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """eos ids from config.json, generation_config.json and the tokenizer, as HF merges them."""
     ids = set(ckpt.spec.eos_token_ids)
-    path = os.path.join(ckpt.path, "generation_config.json")
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token_id")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(path, f"unreadable JSON: {e}") from e
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    generation = read_json_object(os.path.join(ckpt.path, "generation_config.json")) or {}
+    eos = generation.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

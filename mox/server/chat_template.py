@@ -15,7 +15,8 @@ import os
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mox.errors import CheckpointError, InvalidRequestError
+from mox.errors import InvalidRequestError
+from mox.loaders.json_files import read_json_object
 from mox.tokenizer import TOKENIZER_CONFIG_FILE
 
 CHATML_TEMPLATE = (
@@ -57,7 +58,7 @@ class ChatTemplate:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str) -> ChatTemplate:
-        config = _read_config(os.path.join(checkpoint_dir, TOKENIZER_CONFIG_FILE))
+        config = read_json_object(os.path.join(checkpoint_dir, TOKENIZER_CONFIG_FILE)) or {}
         return cls(_select_template(config.get("chat_template")) or CHATML_TEMPLATE,
                    _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
@@ -88,12 +89,3 @@ def _token_text(token: str | dict | None) -> str:
     return token if isinstance(token, str) else ""
 
 
-def _read_config(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(path, f"unreadable JSON: {e}") from e
-    return config if isinstance(config, dict) else {}

@@ -4,6 +4,7 @@ the budget, cold starts, admission, timeouts, idle parking and every policy."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -381,6 +382,23 @@ def test_a_broken_checkpoint_fails_only_its_model(hf_checkpoints, tmp_path):
     router.add_request(Request("y", "good", [3], _params(2)))
     _run(router, None, _finished(["y"]))
     assert router.snapshot()["models"]["bad"]["state"] == "failed"
+
+
+@pytest.mark.parametrize("name, text", [
+    ("generation_config.json", "[1, 2]"), ("generation_config.json", "{broken"),
+    ("config.json", "[]"),
+])
+def test_a_checkpoint_json_file_that_is_not_an_object_fails_its_model(hf_checkpoints, tmp_path,
+                                                                       name, text):
+    good = hf_checkpoints["olmoe"][0]
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    (broken / name).write_text(text)
+    router = Router({"good": good, "bad": str(broken)}, RouterConfig(dtype="float32"))
+    assert router.models["bad"].state == ModelState.FAILED
+    assert str(broken / name) in router.models["bad"].error
+    router.add_request(Request("y", "good", [3], _params(2)))
+    _run(router, None, _finished(["y"]))
 
 
 def test_a_model_that_would_leave_another_no_room_is_refused_and_the_others_serve(
