@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoxError as e:
         print(f"mox: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:      # the file system refused (a full disk, a path that is a file)
+        print(f"mox: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -247,6 +247,31 @@ def test_import_repacks_and_serves_identically(capsys, home, demo_path):
     assert rc == 0 and "already expert-major" in out
 
 
+def test_a_file_system_refusal_is_one_error_line_and_leaves_no_copy(capsys, home, demo_path,
+                                                                     monkeypatch):
+    """A full disk while repacking: a one-line error (no traceback), the entry unchanged and
+    no temp copy left; `models` being a file is reported the same way."""
+    import mox.model_import as model_import
+
+    registry = Registry(home)
+    registry.add("q3", demo_path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(model_import, "repack_expert_major", full)
+    rc, _, err = mox(capsys, "models", "import", "q3", "--home", home)
+    assert rc == 1 and err.strip() == "mox: error: [Errno 28] No space left on device"
+    assert registry.get("q3").path == demo_path
+    assert [n for n in os.listdir(registry.models_dir) if n.startswith(".")] == [
+        ".import-q3.lock"]
+    blocked = os.path.join(home, "blocked")
+    os.makedirs(blocked)
+    open(os.path.join(blocked, "models"), "w").close()
+    Registry(blocked).add("q4", demo_path)
+    rc, _, err = mox(capsys, "models", "import", "q4", "--home", blocked)
+    assert rc == 1 and "File exists" in err and "Traceback" not in err
+
+
 def test_import_switch_refused_when_entry_changed(home, demo_path, own_copy):
     registry = Registry(home)
     registry.add("q2", demo_path)
