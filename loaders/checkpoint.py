@@ -123,6 +123,8 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
             weight_map = json.load(f)["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(index_path, f"corrupt index file: {e}") from e
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(index_path, "corrupt index file: weight_map is not an object")
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str)
+                                                   for shard in weight_map.values()):
+        raise CheckpointError(index_path, "corrupt index file: weight_map is not an object "
+                              "of tensor names to shard file names")
     return weight_map

@@ -46,14 +46,28 @@ def load_spec(checkpoint_dir: str) -> ModelSpec:
 
 def parse_config(config: dict[str, Any], path: str = "config.json") -> ModelSpec:
     model_type = config.get("model_type")
-    parser = _PARSERS.get(model_type)
+    parser = _PARSERS.get(model_type) if isinstance(model_type, str) else None
     if parser is None:
         raise CheckpointError(path, f"unsupported model_type {model_type!r}; supported: "
                               f"{', '.join(sorted(_PARSERS))}")
     try:
-        return parser(config, path)
+        spec = parser(config, path)
+        _check_ranges(spec, path)
     except KeyError as e:
         raise CheckpointError(path, f"config.json lacks required field {e.args[0]!r}") from e
+    except (TypeError, ValueError, AttributeError, ArithmeticError, IndexError) as e:
+        # a field of the wrong type or out of range (a string where a number goes, zero heads)
+        raise CheckpointError(path, f"malformed config.json: {type(e).__name__}: {e}") from e
+    return spec
+
+
+def _check_ranges(spec: ModelSpec, path: str) -> None:
+    """Values the parsers took as they are but no model can run with."""
+    if spec.num_layers < 1:
+        raise CheckpointError(path, f"num_hidden_layers must be at least 1, not {spec.num_layers}")
+    if not 1 <= spec.top_k <= spec.num_experts:
+        raise CheckpointError(path, f"num_experts_per_tok must be between 1 and the "
+                              f"{spec.num_experts} experts, not {spec.top_k}")
 
 
 def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = ()
@@ -71,6 +85,8 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
     num_layers = config["num_hidden_layers"]
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
+        raise CheckpointError(path, f"eos_token_id must be token ids, not {eos!r}")
     return dict(
         model_type=config["model_type"],
         vocab_size=config["vocab_size"],

@@ -84,7 +84,7 @@ def _tensor_info(path: str, name: str, entry: object, data_start: int,
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         begin, end = (int(v) for v in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:     # (1e400: infinity)
         raise CheckpointError(path, f"corrupt header entry for tensor {name!r}: {entry!r}") from e
     expected = math.prod(shape) * dtype.itemsize
     if begin < 0 or end - begin != expected:

@@ -59,7 +59,7 @@ class Tokenizer:
     def _token_id(self, token: str | dict | None) -> int | None:
         if isinstance(token, dict):        # older configs store AddedToken dicts
             token = token.get("content")
-        return None if token is None else self._tok.token_to_id(token)
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     @property
     def vocab_size(self) -> int:

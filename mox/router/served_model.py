@@ -7,6 +7,7 @@ as failed with the error that names the file: the router keeps serving the other
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mox.errors import InvalidRequestError, MoxError
+from mox.errors import CheckpointError, InvalidRequestError, MoxError
 from mox.loaders import Checkpoint
 from mox.loaders.json_files import read_json_object
 from mox.loaders.threads import use_one_thread
@@ -25,6 +26,8 @@ from mox.models.loading import load_model
 from mox.pager import ModelPool
 from mox.router.rates import ModelTraffic
 from mox.tokenizer import Tokenizer
+
+log = logging.getLogger("mox.router")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -63,6 +66,10 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
         eos = eos_token_ids(ckpt, tokenizer)
     except MoxError as e:
         return ServedModel(name, path, ModelState.FAILED, error=str(e))
+    except Exception as e:  # noqa: BLE001 - one bad checkpoint must not stop the others
+        log.exception("model %s: opening %s failed", name, path)
+        return ServedModel(name, path, ModelState.FAILED,
+                           error=f"{path}: cannot open: {type(e).__name__}: {e}")
     return ServedModel(name, ckpt.path, ModelState.COLD, ckpt, tokenizer, eos,
                        dense_nbytes(ckpt, dtype))
 
@@ -151,7 +158,11 @@ def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, .
     ids = set(ckpt.spec.eos_token_ids)
     generation = read_json_object(os.path.join(ckpt.path, "generation_config.json")) or {}
     eos = generation.get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise CheckpointError(os.path.join(ckpt.path, "generation_config.json"),
+                              f"eos_token_id must be token ids, not {eos!r}")
+    ids.update(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

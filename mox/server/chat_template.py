@@ -74,6 +74,9 @@ class ChatTemplate:
                                          eos_token=self.eos_token, add_generation_prompt=True)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+        except Exception as e:  # noqa: BLE001 - the checkpoint's template failed at run time
+            raise InvalidRequestError(f"the model's chat template failed: "
+                                      f"{type(e).__name__}: {e}", param="messages") from e
 
 
 def _select_template(value: str | list | None) -> str | None:

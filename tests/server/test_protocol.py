@@ -186,3 +186,11 @@ def test_sandbox_refuses_unsafe_templates():
     template = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(InvalidRequestError):
         template.render(MESSAGES)
+
+
+@pytest.mark.parametrize("source", ["{{ 1 / 0 }}", "{{ messages[0]['content'] + 1 }}"])
+def test_a_template_failing_as_it_renders_is_a_400(tmp_path, source):
+    template = ChatTemplate.from_checkpoint(_checkpoint_with(tmp_path, {"chat_template": source}))
+    with pytest.raises(InvalidRequestError, match="chat template failed") as e:
+        template.render(MESSAGES)
+    assert e.value.param == "messages"
