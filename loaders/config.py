@@ -70,6 +70,15 @@ def _check_ranges(spec: ModelSpec, path: str) -> None:
                               f"{spec.num_experts} experts, not {spec.top_k}")
 
 
+def eos_token_ids(config: dict[str, Any], path: str) -> tuple[int, ...]:
+    """`eos_token_id` of a config.json or generation_config.json: one id, a list, or none."""
+    eos = config.get("eos_token_id")
+    ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(path, f"eos_token_id must be token ids, not {eos!r}")
+    return ids
+
+
 def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = ()
             ) -> dict[str, Any]:
     """Fields every architecture names alike. `quantizations`: the `quant_method`s this
@@ -83,10 +92,7 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
                               f"{', '.join(quantizations + QUANT_METHODS)} or bf16 / fp32")
     num_heads = config["num_attention_heads"]
     num_layers = config["num_hidden_layers"]
-    eos = config.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
-        raise CheckpointError(path, f"eos_token_id must be token ids, not {eos!r}")
+    eos_ids = eos_token_ids(config, path)
     return dict(
         model_type=config["model_type"],
         vocab_size=config["vocab_size"],

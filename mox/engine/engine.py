@@ -61,9 +61,9 @@ class Engine:
                  interrupt: Callable[[], bool] | None = None) -> None:
         # torch intra-op threads for steps (None: `max_threads`, by default what the process
         # had at start, less the cores other processes keep busy, less one while `io_busy()`)
-        self.compute_threads = compute_threads or max_threads or COMPUTE_THREADS
-        self._shared_cores = (None if compute_threads
-                              else SharedCores(max_threads or COMPUTE_THREADS))
+        ceiling = max_threads or COMPUTE_THREADS
+        self.compute_threads = compute_threads or ceiling
+        self._shared_cores = None if compute_threads else SharedCores(ceiling)
         self._io_busy = io_busy
         self.kv_pool = KVPool(kv_memory_bytes, block_size)
         self.scheduler = Scheduler(config or SchedulerConfig(), self.kv_pool)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mox.errors import CheckpointError, InvalidRequestError, MoxError
+from mox.errors import InvalidRequestError, MoxError
 from mox.loaders import Checkpoint
+from mox.loaders.config import eos_token_ids as eos_token_ids_of
 from mox.loaders.json_files import read_json_object
 from mox.loaders.threads import use_one_thread
 from mox.messages import ModelSettings, ModelState
@@ -156,13 +157,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """eos ids from config.json, generation_config.json and the tokenizer, as HF merges them."""
     ids = set(ckpt.spec.eos_token_ids)
-    generation = read_json_object(os.path.join(ckpt.path, "generation_config.json")) or {}
-    eos = generation.get("eos_token_id")
-    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
-        raise CheckpointError(os.path.join(ckpt.path, "generation_config.json"),
-                              f"eos_token_id must be token ids, not {eos!r}")
-    ids.update(eos)
+    path = os.path.join(ckpt.path, "generation_config.json")
+    ids.update(eos_token_ids_of(read_json_object(path) or {}, path))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
