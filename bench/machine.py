@@ -25,6 +25,6 @@ def describe() -> str:
     from mox.kernels import native
 
     kernels = native.kernels()
-    path = "off" if kernels is None else kernels.isa
+    path = "off" if kernels is None else kernels.isa + ("+amx" if kernels.amx else "")
     return (f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs, {platform.system()}, "
             f"native kernels: {path}")

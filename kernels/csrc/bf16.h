@@ -26,5 +26,6 @@ static inline uint16_t f32_to_bf16(float f) {    /* round to nearest even, as to
 enum { ISA_PLAIN, ISA_AVX2, ISA_AVX512BF16 };
 int mox_vector_isa(void);
 int mox_has_avx512bf16(void);
+int mox_has_amx(void);      /* AMX-BF16, granted to this process by Linux (amx_tiles.h) */
 
 #endif

@@ -5,8 +5,9 @@
  * few rows read it at half the machine's rate. Here each thread walks its rows of w in
  * memory order (one linear stream, which the hardware prefetcher follows at the full read
  * rate), every x row reusing each loaded cache line: AVX512-BF16 dot products (vdpbf16ps)
- * into fp32 accumulators, or on CPUs with AVX2 but not AVX-512 (AMD's before Zen 4, most
- * cloud VMs' older hosts) the weights widened to fp32 in registers and met by FMAs. A plain-C
+ * into fp32 accumulators, from AMX_MIN_ROWS x rows on AMX tiles where the CPU has them
+ * (amx_tiles.h), or on CPUs with AVX2 but not AVX-512 (AMD's before Zen 4, most cloud VMs'
+ * older hosts) the weights widened to fp32 in registers and met by FMAs. A plain-C
  * path computes the same sums on any CPU (tests run it everywhere; mox only routes work here
  * where a vector path exists).
  *
@@ -16,6 +17,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 #include "exported.h"
 #include "rows.h"
@@ -26,6 +28,8 @@ int mox_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
 }
+
+int mox_has_amx(void) { return amx_usable(); }
 
 int mox_vector_isa(void) {
     __builtin_cpu_init();
@@ -64,23 +68,65 @@ static inline void store(void *y, int64_t ldy, int64_t n, const float *sums, int
  * threads). Claims come in even shares, at least two a thread, so the threads finish together. */
 #define TILE_SUMS_FLOATS 4096
 
-static int64_t tile_columns(int64_t M, int64_t N, int64_t step) {
-    int64_t most = TILE_SUMS_FLOATS / M / 12 * 12;     /* a multiple of both tiles' widths */
-    if (most < 12)
+static int64_t tile_columns(int64_t M, int64_t N, int64_t step, int64_t unit) {
+    int64_t most = TILE_SUMS_FLOATS / M / unit * unit;  /* `unit`: a multiple of tiles' widths */
+    if (most < unit)
         return step;
     int64_t threads = omp_get_max_threads(), claims = (N + most - 1) / most;
     claims = (claims + 2 * threads - 1) / (2 * threads) * (2 * threads);   /* even shares */
     int64_t cols = (N + claims - 1) / claims;
-    return cols < 48 ? step : (cols + 11) / 12 * 12;     /* few columns (a router): tiles */
+    return cols < 4 * unit ? step : (cols + unit - 1) / unit * unit;   /* few columns: tiles */
 }
 
-static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
+/* gemv's AMX path (amx_tiles.h), M x rows in groups of AMX_MAX_X_ROWS: a claim's columns in
+ * blocks of 32 weight rows, the last few by tiles_avx512. -2 out of memory. */
+static int gemv_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
+                    int64_t ldy, int M, int64_t N, int64_t K, int out) {
+    int groups = (M + AMX_MAX_X_ROWS - 1) / AMX_MAX_X_ROWS;
+    uint16_t *packed[MAX_GEMV_ROWS / AMX_MAX_X_ROWS];
+    for (int g = 0; g < groups; g++) {
+        int rows = M - g * AMX_MAX_X_ROWS < AMX_MAX_X_ROWS ? M - g * AMX_MAX_X_ROWS : AMX_MAX_X_ROWS;
+        if ((packed[g] = amx_pack_x(x + g * AMX_MAX_X_ROWS * ldx, ldx, rows, K)) == NULL) {
+            while (g--) free(packed[g]);
+            return -2;
+        }
+    }
+    int64_t cols = tile_columns(M, N, 2 * AMX_ROWS, 2 * AMX_ROWS);
+    #pragma omp parallel
+    {
+        amx_begin();
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n += cols) {
+            int64_t nc = N - n < cols ? N - n : cols, whole = nc / (2 * AMX_ROWS) * 2 * AMX_ROWS;
+            float sums[M * cols];
+            for (int g = 0; g < groups; g++) {
+                int m0 = g * AMX_MAX_X_ROWS, rows = M - m0 < AMX_MAX_X_ROWS ? M - m0 : AMX_MAX_X_ROWS;
+                for (int64_t j = 0; j < whole; j += 2 * AMX_ROWS)
+                    amx_block(packed[g], rows > AMX_ROWS ? 2 : 1, rows, w + (n + j) * ldw, ldw,
+                              sums + m0 * cols + j, cols, K);
+            }
+            if (whole < nc)
+                tiles_avx512(x, ldx, M, w + (n + whole) * ldw, ldw, nc - whole, sums + whole,
+                             cols, K);
+            store(y, ldy, n, sums, cols, M, nc, out);
+        }
+        amx_end();
+    }
+    for (int g = 0; g < groups; g++)
+        free(packed[g]);
+    return 0;
+}
+
+static int gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t *w,
                  int64_t ldw, void *y, int64_t ldy, int M, int64_t N, int64_t K, int out,
                  int isa) {
-    /* tiles of weight rows against every x row: AVX2's (widened x: one weight row at a time
-     * for one or two x rows, three from three), AVX512-BF16's four from TILE_MIN_ROWS x rows */
+    /* tiles of weight rows against every x row: AMX's from AMX_MIN_ROWS x rows, AVX2's
+     * (widened x: one weight row at a time for one or two x rows, three from three),
+     * AVX512-BF16's four from TILE_MIN_ROWS x rows */
+    if (isa == ISA_AVX512BF16 && M >= AMX_MIN_ROWS && N >= 2 * AMX_ROWS && amx_usable())
+        return gemv_amx(x, ldx, w, ldw, y, ldy, M, N, K, out);
     if (isa == ISA_AVX2 || (isa == ISA_AVX512BF16 && M >= TILE_MIN_ROWS)) {
-        int64_t step = isa == ISA_AVX2 ? 3 : 4, cols = tile_columns(M, N, step);
+        int64_t step = isa == ISA_AVX2 ? 3 : 4, cols = tile_columns(M, N, step, 12);
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n += cols) {
             int64_t nc = N - n < cols ? N - n : cols;
@@ -91,7 +137,7 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
                 tiles_avx512(x, ldx, M, w + n * ldw, ldw, nc, sums, cols, K);
             store(y, ldy, n, sums, cols, M, nc, out);
         }
-        return;
+        return 0;
     }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -99,6 +145,7 @@ static void gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t
         rows_dot(x, ldx, M, w + n * ldw, sums, 1, K, isa);
         store(y, ldy, n, sums, 1, M, 1, out);
     }
+    return 0;
 }
 
 /* y [M, N] (row stride ldy; `out`: OUT_F32, OUT_BF16 or OUT_BF16_AS_F32) = x [M, K] bf16
@@ -114,8 +161,8 @@ int mox_gemv_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw
     float *xf = widen_rows(x, ldx, M, K, isa);
     if (isa == ISA_AVX2 && xf == NULL)
         return -2;
-    gemv(x, xf, xf ? K : ldx, w, ldw, y, ldy, (int)M, N, K, out, isa);
+    int status = gemv(x, xf, xf ? K : ldx, w, ldw, y, ldy, (int)M, N, K, out, isa);
     free(xf);
-    return 0;
+    return status;
 }
 

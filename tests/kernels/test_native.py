@@ -32,10 +32,14 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("fast", PATHS)
 # (rows and weight rows past multiples of the AVX2 tiles' 3: 4 and 7 rows end in 2 + 2;
 # 257 and 1030 weight rows: claims of columns, the last one short and not a whole tile; one
-# and two rows: a weight row at a time on AVX2)
+# and two rows: a weight row at a time on AVX2. With AMX, from 8 rows: one tile of x rows up
+# to 16 and two up to 32, more in groups of 32 (33, 64); weight rows in blocks of 32, the rest
+# of a claim (50, 70, 1030) on AVX512-BF16)
 @pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (1, 1000, 1024), (2, 70, 160), (3, 257, 96),
                                         (8, 64, 512), (5, 33, 4096), (4, 4, 64),
-                                        (7, 11, 192), (32, 50, 256), (32, 1030, 64)])
+                                        (7, 11, 192), (32, 50, 256), (32, 1030, 64),
+                                        (16, 32, 32), (17, 70, 96), (33, 100, 64),
+                                        (64, 1030, 128)])
 def test_gemv_matches_fp32(fast, rows, n, k):
     x, w = _bf16(rows, k, seed=1), _bf16(n, k, seed=2)
     got = NATIVE.gemv(x, w, fast=fast)
@@ -49,6 +53,10 @@ def test_gemv_matches_fp32(fast, rows, n, k):
 def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take(fast):
     x = _bf16(6, 128, seed=3)[:, :64]                  # rows 128 apart, 64 used
     w = _bf16(20, 64, seed=4)
+    many = _bf16(20, 128, seed=3)[:, :64]              # ... and as AMX tiles
+    tall = _bf16(40, 64, seed=4)
+    torch.testing.assert_close(NATIVE.gemv(many, tall, fast=fast),
+                               many.float() @ tall.float().t(), rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(NATIVE.gemv(x, w, fast=fast), x.float() @ w.float().t(),
                                rtol=1e-4, atol=1e-2)
     wide = _bf16(20, 96, seed=6)[:, 32:]               # weight rows 96 apart (the tiles'
