@@ -7,7 +7,8 @@ moment (this VM's memory rate drifts 30-50% between runs).
   weights cycled past the L3 (every call reads from memory), M rows of activations;
 - `moe`: one MoE layer's experts (kernels/csrc/moe_experts.c) over a 64-slot pool of the bench
   olmoe's experts (H 1024, I 512), each call routing T tokens to 4 experts at random (its
-  top-k: 32 tokens give ~2.3 rows an active expert, as in a 32-sequence decode step);
+  top-k: 32 tokens give ~2.3 rows an active expert, as in a 32-sequence decode step; 64 and
+  128, ~4 and ~8: where AMX tiles take an expert's rows);
 - `attention`: decode attention (kernels/csrc/decode_attention.c) with the bench olmoe's heads
   (16 query, 4 KV, 64 dims), T tokens over L cached keys each, in blocks of 16 slots
   scattered over the store (as the engine's KV pool hands them out).
@@ -42,7 +43,7 @@ CYCLED_BYTES = 256 << 20          # the GEMV's matrices together: well past the 
 GEMV_SHAPES = {"gate+up [1024, 1024]": (1024, 1024), "attention qkv [3072, 1024]": (3072, 1024),
                "lm_head [32000, 1024]": (32000, 1024)}
 GEMV_ROWS = (1, 2, 4, 8, 16, 32)
-MOE_TOKENS = (1, 8, 16, 32)
+MOE_TOKENS = (1, 8, 16, 32, 64, 128)
 HIDDEN, INTER, SLOTS, TOP_K = 1024, 512, 64, 4
 PASSES = 6                      # an even number: as many A B turns as B A
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 64

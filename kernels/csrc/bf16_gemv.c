@@ -78,18 +78,19 @@ static int64_t tile_columns(int64_t M, int64_t N, int64_t step, int64_t unit) {
     return cols < 4 * unit ? step : (cols + unit - 1) / unit * unit;   /* few columns: tiles */
 }
 
-/* gemv's AMX path (amx_tiles.h), M x rows in groups of AMX_MAX_X_ROWS: a claim's columns in
- * blocks of 32 weight rows, the last few by tiles_avx512. -2 out of memory. */
+/* gemv's AMX path (amx_tiles.h): the x rows packed once, in groups of AMX_MAX_X_ROWS, for
+ * every claim of columns. -2 out of memory. */
 static int gemv_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                     int64_t ldy, int M, int64_t N, int64_t K, int out) {
     int groups = (M + AMX_MAX_X_ROWS - 1) / AMX_MAX_X_ROWS;
     uint16_t *packed[MAX_GEMV_ROWS / AMX_MAX_X_ROWS];
     for (int g = 0; g < groups; g++) {
-        int rows = M - g * AMX_MAX_X_ROWS < AMX_MAX_X_ROWS ? M - g * AMX_MAX_X_ROWS : AMX_MAX_X_ROWS;
-        if ((packed[g] = amx_pack_x(x + g * AMX_MAX_X_ROWS * ldx, ldx, rows, K)) == NULL) {
+        int left = M - g * AMX_MAX_X_ROWS, rows = left < AMX_MAX_X_ROWS ? left : AMX_MAX_X_ROWS;
+        if ((packed[g] = aligned_alloc(64, amx_packed_size(K) * sizeof(uint16_t))) == NULL) {
             while (g--) free(packed[g]);
             return -2;
         }
+        amx_pack_x(x + g * AMX_MAX_X_ROWS * ldx, ldx, rows, K, packed[g]);
     }
     int64_t cols = tile_columns(M, N, 2 * AMX_ROWS, 2 * AMX_ROWS);
     #pragma omp parallel
@@ -97,17 +98,9 @@ static int gemv_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t l
         amx_begin();
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += cols) {
-            int64_t nc = N - n < cols ? N - n : cols, whole = nc / (2 * AMX_ROWS) * 2 * AMX_ROWS;
+            int64_t nc = N - n < cols ? N - n : cols;
             float sums[M * cols];
-            for (int g = 0; g < groups; g++) {
-                int m0 = g * AMX_MAX_X_ROWS, rows = M - m0 < AMX_MAX_X_ROWS ? M - m0 : AMX_MAX_X_ROWS;
-                for (int64_t j = 0; j < whole; j += 2 * AMX_ROWS)
-                    amx_block(packed[g], rows > AMX_ROWS ? 2 : 1, rows, w + (n + j) * ldw, ldw,
-                              sums + m0 * cols + j, cols, K);
-            }
-            if (whole < nc)
-                tiles_avx512(x, ldx, M, w + (n + whole) * ldw, ldw, nc - whole, sums + whole,
-                             cols, K);
+            amx_rows(x, ldx, M, w + n * ldw, ldw, nc, sums, cols, K, packed, NULL);
             store(y, ldy, n, sums, cols, M, nc, out);
         }
         amx_end();

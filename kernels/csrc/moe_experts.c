@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 #include "rows.h"
 #include "int4_span_rows.h"
@@ -149,11 +150,18 @@ static void pool_rows_dot(const uint16_t *x, int64_t first, int64_t count, pool_
 
 /* weight rows [n0, n1) of slot s against `count` x rows from `first`, their sums at
  * out[0 .. n1 - n0) of each x row (row stride ldy): bf16 pools on AVX2 by tiles_avx2 (a weight
- * row at a time for one or two x rows, tiles of three from three), integer pools against the
- * quantized `qx` (integer_rows), the rest row by row (pool_rows_dot) */
+ * row at a time for one or two x rows, tiles of three from three), on AMX tiles from
+ * AMX_MIN_ROWS x rows where `amx` (this thread's packing scratch) is given, integer pools
+ * against the quantized `qx` (integer_rows), the rest row by row (pool_rows_dot) */
 static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *qx,
                             int64_t first, int64_t count, pool_t p, int64_t s, int64_t n0,
-                            int64_t n1, float *out, int64_t ldy, int64_t K, int isa) {
+                            int64_t n1, float *out, int64_t ldy, int64_t K, int isa,
+                            uint16_t *amx) {
+    if (p.kind == WEIGHTS_BF16 && amx && count >= AMX_MIN_ROWS) {
+        amx_rows(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
+                 n1 - n0, out, ldy, K, NULL, amx);
+        return;
+    }
     if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX2) {
         tiles_avx2(xf + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
                    n1 - n0, out, ldy, K);
@@ -246,7 +254,13 @@ typedef struct {
     float *gate_up, *act_f, *down;
     uint16_t *act;
     int quantized, isa;
+    uint16_t *amx;          /* bf16 pools on AMX: amx_packed_size(max(H, I)) a thread, or NULL */
+    int64_t amx_size;
 } experts_t;
+
+static inline uint16_t *amx_scratch(const experts_t *e) {
+    return e->amx ? e->amx + omp_get_thread_num() * e->amx_size : NULL;
+}
 
 /* gate rows [i0, i1) of active slot a, the same up rows, and their activations (quantized
  * for the integer formats: [i0, i1) is whole blocks of QBLOCK values) */
@@ -254,9 +268,9 @@ static void gate_up_rows(const experts_t *e, int64_t a, int64_t i0, int64_t i1) 
     int64_t first = e->starts[a], count = e->counts[a], I = e->I, n13 = 2 * I;
     float *gu = e->gate_up + first * n13;
     pool_rows_block(e->rows, e->rows_f, e->q13, first, count, e->p13, e->slots[a], i0, i1,
-                    gu + i0, n13, e->H, e->isa);
+                    gu + i0, n13, e->H, e->isa, amx_scratch(e));
     pool_rows_block(e->rows, e->rows_f, e->q13, first, count, e->p13, e->slots[a], I + i0,
-                    I + i1, gu + I + i0, n13, e->H, e->isa);
+                    I + i1, gu + I + i0, n13, e->H, e->isa, amx_scratch(e));
     activate_rows(e->g, e->slots[a], first, count, i0, i1, I, e->gate_up, e->act, e->act_f,
                   e->isa);
     if (e->quantized)
@@ -268,7 +282,7 @@ static void gate_up_rows(const experts_t *e, int64_t a, int64_t i0, int64_t i1) 
 static void down_rows(const experts_t *e, int64_t a, int64_t h0, int64_t h1) {
     int64_t first = e->starts[a], count = e->counts[a], H = e->H;
     pool_rows_block(e->act, e->act_f, e->q2, first, count, e->p2, e->slots[a], h0, h1,
-                    e->down + first * H + h0, H, e->I, e->isa);
+                    e->down + first * H + h0, H, e->I, e->isa, amx_scratch(e));
     for (int64_t h = h0; h < h1; h++) {
         float *out = e->down + first * H + h;
         float bias = bias_at(e->g->b2, e->g->b2_stride, e->slots[a], h);
@@ -339,8 +353,11 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         free(act_f);
         return -2;
     }
+    int64_t amx_size = amx_packed_size(H > I ? H : I);
+    uint16_t *amx = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16 && amx_usable()
+                    ? aligned_alloc(64, omp_get_max_threads() * amx_size * sizeof *amx) : NULL;
     experts_t e = {rows, rows_f, row_weights, &q13, &q2, p13, p2, g, slots, starts, counts, H,
-                   I, gate_up, act_f, down, act, quantized, isa};
+                   I, gate_up, act_f, down, act, quantized, isa, amx, amx_size};
     int64_t tail = TAIL_PER_THREAD * omp_get_max_threads();
     int64_t whole = num_active > tail ? num_active - tail : 0;   /* experts claimed whole */
     int bits = p13.kind == WEIGHTS_BF16 ? 16
@@ -350,6 +367,8 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
     int64_t down_chunks = (H + chunk - 1) / chunk;
     #pragma omp parallel
     {
+        if (amx)
+            amx_begin();
         if (quantized) {
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_rows; p++)
@@ -372,7 +391,10 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
             int64_t h0 = (j % down_chunks) * chunk, h1 = h0 + chunk;
             down_rows(&e, whole + j / down_chunks, h0, h1 < H ? h1 : H);
         }
+        if (amx)
+            amx_end();
     }
+    free(amx);
     qrows_free(&q13);
     qrows_free(&q2);
     free(rows_f);
