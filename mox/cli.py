@@ -9,6 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from mox.cli_args import count, device, port
 from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
 from mox.errors import MoxError
@@ -128,11 +129,11 @@ def _add_serve_parser(sub) -> None:
 
     serve = sub.add_parser("serve", help="serve the registry's models over an OpenAI API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--home", help="MOX_HOME (default ~/.cache/mox)")
     serve.add_argument("--demo", action="store_true",
                        help="build and register the demo models if missing, and serve them")
-    serve.add_argument("--device", default="cpu", help="cpu or cuda")
+    serve.add_argument("--device", type=device, default="cpu", help="cpu or cuda")
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--device-memory", help="bytes for dense weights + experts of all "
                        "models, e.g. 4GiB (default: no limit)")
@@ -170,20 +171,12 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve)
 
 
-def _count(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def _add_ray_arguments(group) -> None:
     group.add_argument("--ray", action="store_true",
                        help="serve through Ray Serve: replicas that are each a whole mox "
                        "(with --device-memory each), requests routed to where their model is "
                        "warm; --host/--port are Ray's HTTP proxy")
-    group.add_argument("--replicas", type=int, default=2)
+    group.add_argument("--replicas", type=count, default=2)
     group.add_argument("--min-replicas", type=int,
                        help="autoscale between --min-replicas and --max-replicas")
     group.add_argument("--max-replicas", type=int)
@@ -191,7 +184,7 @@ def _add_ray_arguments(group) -> None:
                        "host:6379); default: start a local one")
     group.add_argument("--cpus-per-replica", type=float, default=1.0)
     group.add_argument("--gpus-per-replica", type=float, default=0.0)
-    group.add_argument("--models-per-replica", type=_count,
+    group.add_argument("--models-per-replica", type=count,
                        help="bound each replica's multiplexed set: Ray drops a model from a "
                        "full set to route a new one there, and mox parks it (default: no "
                        "bound; each replica's budget decides what it keeps warm)")
@@ -229,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="checkpoint folder")
     gen.add_argument("--demo", action="store_true", help="build (if missing) and use the demos")
     gen.add_argument("--home", help="MOX_HOME (default ~/.cache/mox)")
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--device", type=device, default="cpu")
     gen.add_argument("--dtype", default="bfloat16")
-    gen.add_argument("--max-tokens", type=int, default=24)
+    gen.add_argument("--max-tokens", type=count, default=24)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--seed", type=int, default=0)

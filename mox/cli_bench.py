@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from mox.cli_args import count, positive
 from mox.errors import InvalidRequestError
 from mox.kernels.quant import IMPORT_FORMATS
 
@@ -97,7 +98,7 @@ def add_bench_parser(sub) -> None:
                        help="folder for results.json, results.md, plots and server logs")
     bench.add_argument("--policies", nargs="+", choices=ROUTER_POLICIES,
                        default=list(DEFAULT_POLICIES))
-    bench.add_argument("--models", type=int, help="number of models (quick 4, full 12)")
+    bench.add_argument("--models", type=count, help="number of models (quick 4, full 12)")
     bench.add_argument("--preset", choices=("demo", "mid", "bench"),
                        help="model size (quick demo, full mid)")
     bench.add_argument("--arch", default="olmoe",
@@ -105,16 +106,16 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of popularity")
     bench.add_argument("--cv", type=float, default=2.0,
                        help="coefficient of variation of inter-arrival gaps (1 = Poisson)")
-    bench.add_argument("--rate", type=float, help="total requests/s (quick 4, full 1.5)")
-    bench.add_argument("--duration", type=float, help="seconds of arrivals (quick 5, full 60)")
-    bench.add_argument("--prompt-tokens", type=float, help="mean prompt length")
-    bench.add_argument("--output-tokens", type=float, help="mean output length")
+    bench.add_argument("--rate", type=positive, help="total requests/s (quick 4, full 1.5)")
+    bench.add_argument("--duration", type=positive, help="seconds of arrivals (quick 5, full 60)")
+    bench.add_argument("--prompt-tokens", type=positive, help="mean prompt length")
+    bench.add_argument("--output-tokens", type=positive, help="mean output length")
     bench.add_argument("--device-memory-fraction", type=float, default=0.25,
                        help="device budget: all dense bytes + this share of all expert bytes")
     bench.add_argument("--routing-skew", type=float, nargs="+",
                        help="one suite per value (0 = uniform; quick 0, full 0 1)")
     bench.add_argument("--trace", help="CSV with timestamp,model,input_tokens,output_tokens")
-    bench.add_argument("--trace-speedup", type=float, default=1.0)
+    bench.add_argument("--trace-speedup", type=positive, default=1.0)
     bench.add_argument("--slo", nargs="+", help="ttft:MS tpot:MS (quick ttft:1000 tpot:200, "
                        "full ttft:2000 tpot:250)")
     bench.add_argument("--seed", type=int, default=0)

@@ -117,8 +117,8 @@ class LLM:
         """All prompts go to the engine at once and are batched together."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+            stop=() if stop is None else stop,
+            stop_token_ids=() if stop_token_ids is None else stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs)
         prompts_ids = self._prompt_ids(prompts, prompt_token_ids)
         self._reopen_if_failed()
@@ -173,7 +173,15 @@ class LLM:
                 raise InvalidRequestError(f"{self.checkpoint.path} has no tokenizer.json; "
                                           "pass prompt_token_ids")
             prompts = [prompts] if isinstance(prompts, str) else prompts
+            if not isinstance(prompts, list | tuple) or not all(isinstance(p, str)
+                                                                for p in prompts):
+                raise InvalidRequestError("prompts must be a string or a list of strings",
+                                          param="prompt")
             prompt_token_ids = [self.tokenizer.encode(p) for p in prompts]
+        if not isinstance(prompt_token_ids, list | tuple) or not all(
+                isinstance(p, list | tuple) for p in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of lists of token ids",
+                                      param="prompt")
         return [list(p) for p in prompt_token_ids]
 
 

@@ -5,7 +5,9 @@ Legend: V vocab.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
@@ -14,6 +16,35 @@ from mox.errors import InvalidRequestError
 # Below this, sampling is greedy: logits / 1e-39 overflow float32 to inf and the softmax to
 # NaN, and no temperature this small differs from argmax anyway (vLLM's floor too).
 MIN_SAMPLING_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Types first (the offline API passes whatever it is given; the server's msgspec schema
+    already did): a clear 400-style error, not a TypeError deep in the sampler."""
+    for name in ("max_tokens", "top_k"):
+        if not _is_int(getattr(params, name)):
+            raise InvalidRequestError(f"{name} must be an integer, got "
+                                      f"{getattr(params, name)!r}", param=name)
+    for name in ("temperature", "top_p"):
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value!r}",
+                                      param=name)
+    if params.seed is not None and not (_is_int(params.seed)
+                                        and SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]):
+        raise InvalidRequestError(f"seed must be an integer in [-2^63, 2^64), got "
+                                  f"{params.seed!r}", param="seed")
+    if not isinstance(params.stop, tuple) or not all(isinstance(s, str) for s in params.stop):
+        raise InvalidRequestError(f"stop must be strings, got {params.stop!r}", param="stop")
+    if not isinstance(params.stop_token_ids, tuple) or not all(
+            _is_int(i) for i in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be token ids, got "
+                                  f"{params.stop_token_ids!r}", param="stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -30,6 +61,13 @@ class SamplingParams:
     extra_eos: tuple[int, ...] = field(default=(), repr=False)   # the model's eos ids
 
     def __post_init__(self) -> None:
+        # one stop string or a list of them, as OpenAI's `stop` takes; lists of token ids
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        _check_types(self)
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
                                       param="max_tokens")

@@ -52,9 +52,16 @@ class RouterConfig:
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise InvalidRequestError(f"the TPOT target must be a positive time, not "
                                       f"{self.tpot_target_s!r} s", param="tpot_target")
-        if self.decode_steps < 1:
-            raise InvalidRequestError(f"decode_steps must be at least 1, not "
-                                      f"{self.decode_steps!r}", param="decode_steps")
+        for name in ("decode_steps", "max_waiting_per_model", "max_waiting", "compute_threads",
+                     "max_compute_threads", "max_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{name} must be at least 1, not {value!r}",
+                                          param=name)
+        for name in ("queue_timeout_s", "dense_idle_s", "plan_period_s"):
+            if not getattr(self, name) > 0:          # (NaN too)
+                raise InvalidRequestError(f"{name} must be a positive time, not "
+                                          f"{getattr(self, name)!r}", param=name)
 
     def one_ram_tier(self) -> RouterConfig:
         """The server's tiers on a CPU: expert slots and a host cache would be the same RAM,

@@ -14,13 +14,12 @@ import msgspec
 
 from mox.errors import InvalidRequestError
 from mox.messages import MAX_MODEL_NAME
-from mox.sampling import SamplingParams
+from mox.sampling import SEED_RANGE, SamplingParams
 from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
 DEFAULT_TEMPERATURE = 1.0
-SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
 T = TypeVar("T")

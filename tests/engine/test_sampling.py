@@ -53,10 +53,22 @@ def test_top_p_keeps_the_nucleus():
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0),
                                     dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
-                                    dict(top_k=-5), dict(stop=("",))])
+                                    dict(top_k=-5), dict(stop=("",)),
+                                    # types (the offline API passes what it is given)
+                                    dict(max_tokens=True), dict(max_tokens="16"),
+                                    dict(temperature=float("nan")), dict(top_p=float("inf")),
+                                    dict(temperature="1"), dict(top_k=2.0), dict(seed=2**64),
+                                    dict(seed="7"), dict(stop=(1,)), dict(stop={"a"}),
+                                    dict(stop_token_ids=(1.0,))])
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_one_stop_string_and_lists_are_taken_as_tuples():
+    params = SamplingParams(stop="###", stop_token_ids=[3, 4])
+    assert params.stop == ("###",) and params.stop_token_ids == (3, 4)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
 
 
 def test_greedy_rows_take_the_first_of_equal_maxima_and_nans_as_torch():

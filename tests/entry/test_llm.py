@@ -76,6 +76,13 @@ def test_eos_ids_come_from_the_checkpoint(llm):
     (dict(prompt_token_ids=[[]]), "empty prompt"),
     (dict(prompt_token_ids=[[10**9]]), "token ids"),
     (dict(prompts="a", max_tokens=0), "max_tokens"),
+    (dict(prompts="a", max_tokens=2.5), "max_tokens must be an integer"),
+    (dict(prompts="a", temperature=float("nan")), "temperature must be a finite"),
+    (dict(prompts="a", top_k="5"), "top_k must be an integer"),
+    (dict(prompts="a", seed=1.5), "seed"),
+    (dict(prompts="a", stop=[3]), "stop must be strings"),
+    (dict(prompts=["a", 7]), "prompts must be"),
+    (dict(prompt_token_ids=[1, 2]), "list of lists"),
 ])
 def test_bad_requests_are_refused(llm, kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):

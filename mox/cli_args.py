@@ -1,0 +1,47 @@
+"""argparse types for the CLI's numbers and devices: a bad value is argparse's one-line usage
+error naming the option, never a traceback from deep in the server or the harness."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def count(text: str) -> int:
+    """An integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number above 0 (seconds, rates, means)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], not {value}")
+    return value
+
+
+def device(text: str) -> str:
+    """cpu, or cuda / cuda:N where this machine has that GPU."""
+    import torch
+
+    try:
+        parsed = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda, cuda:N)") from e
+    if parsed.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"mox runs on cpu or cuda, not {text!r}")
+    if parsed.type == "cuda" and (not torch.cuda.is_available()
+                                  or (parsed.index or 0) >= torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"no such CUDA device here: {text!r}")
+    return text
