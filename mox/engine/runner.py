@@ -16,6 +16,7 @@ import torch
 
 from mox.engine.scheduler import Batch
 from mox.engine.sequence import Sequence
+from mox.errors import MoxError
 from mox.models import MoEDecoder
 from mox.models.forward_batch import DecodeAhead, ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
@@ -162,6 +163,9 @@ class ModelRunner:
     @staticmethod
     def _sample(sampling: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
         """A token for each sequence from its row of `logits [S, V]`."""
+        if torch.isnan(logits).any():          # (one reduction for the batch)
+            raise MoxError("the model's next-token logits are NaN: its weights or activations "
+                           "are not finite (a damaged or badly converted checkpoint?)")
         # greedy rows in one argmax over the batch (one op, not one per sequence)
         greedy = (greedy_tokens(logits) if any(seq.params.is_greedy for seq in sampling)
                   else [])

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from mox import LLM
-from mox.errors import InvalidRequestError
+from mox.errors import InvalidRequestError, MoxError
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,18 @@ def test_many_prompts_batch_and_equal_single_runs(llm):
               for p in prompts]
     assert [o.token_ids for o in batched] == [o.token_ids for o in single]
     assert llm.engine.kv_pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_fail_the_request_with_a_clear_error(llm, temperature):
+    """Greedy decoding would take token 0 from NaN logits, sampling would fail in
+    torch.multinomial; both name the cause instead."""
+    head = llm.model.lm_head
+    saved = head.clone()
+    head.fill_(float("nan"))
+    try:
+        with pytest.raises(MoxError, match="logits are NaN"):
+            llm.generate(prompts="hello", max_tokens=2, temperature=temperature)
+    finally:
+        head.copy_(saved)
+    assert llm.generate(prompts="hello", max_tokens=2)[0].token_ids    # serving goes on
