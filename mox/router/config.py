@@ -53,7 +53,7 @@ class RouterConfig:
             raise InvalidRequestError(f"the TPOT target must be a positive time, not "
                                       f"{self.tpot_target_s!r} s", param="tpot_target")
         for name in ("decode_steps", "max_waiting_per_model", "max_waiting", "compute_threads",
-                     "max_compute_threads", "max_batched_tokens"):
+                     "max_compute_threads", "max_batched_tokens", "kv_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, not {value!r}",

@@ -41,7 +41,7 @@ def test_good_values_pass():
 @pytest.mark.parametrize("field, value", [
     ("compute_threads", 0), ("max_waiting", 0), ("max_waiting_per_model", -1),
     ("queue_timeout_s", 0.0), ("dense_idle_s", float("nan")), ("plan_period_s", -1.0),
-    ("decode_steps", 0), ("max_batched_tokens", 0)])
+    ("decode_steps", 0), ("max_batched_tokens", 0), ("kv_memory", 0)])
 def test_router_settings_out_of_range_are_refused(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         RouterConfig(**{field: value})
