@@ -141,8 +141,10 @@ class NativeKernels:
         # AVX2's two-step byte dot)
         self.isa = ISA_NAMES[self._lib.mox_vector_isa()]
         self.fast = self.isa != "plain"
-        # AVX512-BF16 GEMVs of 8 rows and more on AMX tiles (csrc/amx_tiles.h)
-        self.amx = self.isa == "avx512bf16" and bool(self._lib.mox_has_amx())
+        # AVX512-BF16 GEMVs and experts of 4 rows and more on AMX tiles (csrc/amx_tiles.h;
+        # an older build, a bench's base, has no such path)
+        has_amx = getattr(self._lib, "mox_has_amx", None)
+        self.amx = self.isa == "avx512bf16" and has_amx is not None and bool(has_amx())
 
     def timeline_take(self) -> dict[str, float] | None:
         """Seconds per phase of the native decode calls since the last take (`calls`: their

@@ -20,12 +20,13 @@ from collections.abc import Callable
 
 import torch
 
+from mox.bench.machine import past_the_cache
 from mox.engine.engine import DEFAULT_BLOCK_SIZE as KV_BLOCK
 from mox.kernels import native
 
 HEAD_DIM, GROUP = 64, 4           # the bench olmoe's heads: 64 dims, 4 query heads a KV head
 SPREAD = 8                        # the store: this many times the slots in use
-FLUSH_FLOATS = 16 << 20           # 64 MiB summed before each call: twice this VM's L3
+FLUSH_FLOATS = past_the_cache(64 << 20) // 4   # summed before each call: past the last-level cache
 
 
 def timed(flush: torch.Tensor, call: Callable[[], object], passes: int) -> float:

@@ -21,12 +21,13 @@ import time
 
 import torch
 
+from mox.bench.machine import past_the_cache
 from mox.bench.micro.native_ab import base_build
 from mox.bench.micro.quant_kernels import quantized_pool
 from mox.kernels import native, native_build
 from mox.kernels.quant import FP8_BLOCK128, INT4_GROUP128, INT8_PER_CHANNEL
 
-POOL_BYTES = 512 << 20          # bf16 experts in the pool: well past the L3
+POOL_BYTES = past_the_cache(512 << 20)   # bf16 experts in the pool: past the last-level cache
 CALLS = 48
 
 

@@ -4,11 +4,13 @@ data, so a kernel change is measured against what it replaces on this machine at
 moment (this VM's memory rate drifts 30-50% between runs).
 
 - `gemv`: the decode GEMV (kernels/csrc/bf16_gemv.c) on the bench olmoe's dense shapes,
-  weights cycled past the L3 (every call reads from memory), M rows of activations;
-- `moe`: one MoE layer's experts (kernels/csrc/moe_experts.c) over a 64-slot pool of the bench
+  weights cycled past the last-level cache (every call reads from memory), M rows of
+  activations;
+- `moe`: one MoE layer's experts (kernels/csrc/moe_experts.c) over 64-slot pools of the bench
   olmoe's experts (H 1024, I 512), each call routing T tokens to 4 experts at random (its
   top-k: 32 tokens give ~2.3 rows an active expert, as in a 32-sequence decode step; 64 and
-  128, ~4 and ~8: where AMX tiles take an expert's rows);
+  128, ~4 and ~8: where AMX tiles take an expert's rows); as many layers' pools as take the
+  experts past the last-level cache, one after another call by call;
 - `attention`: decode attention (kernels/csrc/decode_attention.c) with the bench olmoe's heads
   (16 query, 4 KV, 64 dims), T tokens over L cached keys each, in blocks of 16 slots
   scattered over the store (as the engine's KV pool hands them out).
@@ -35,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from mox.bench.machine import describe
+from mox.bench.machine import describe, past_the_cache
 from mox.kernels import native, native_build
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
-CYCLED_BYTES = 256 << 20          # the GEMV's matrices together: well past the L3
+# the GEMV's matrices together, and the MoE layers' pools: past the last-level cache
+CYCLED_BYTES = past_the_cache(256 << 20)
 GEMV_SHAPES = {"gate+up [1024, 1024]": (1024, 1024), "attention qkv [3072, 1024]": (3072, 1024),
                "lm_head [32000, 1024]": (32000, 1024)}
 GEMV_ROWS = (1, 2, 4, 8, 16, 32)
@@ -88,10 +91,12 @@ def _gemv_pass(x: torch.Tensor, weights: list[torch.Tensor], lib: native.NativeK
     return sum(w.numel() * w.element_size() for w in weights)
 
 
-def _moe_pass(calls: list, w13: torch.Tensor, w2: torch.Tensor,
+def _moe_pass(calls: list, pools: list[tuple[torch.Tensor, torch.Tensor]],
               lib: native.NativeKernels) -> int:
-    for runs, rows, weights, scratch in calls:
+    for i, (runs, rows, weights, scratch) in enumerate(calls):
+        w13, w2 = pools[i % len(pools)]            # a layer after another, as a step reads
         lib.moe_experts(rows, w13, w2, runs, weights, scratch)
+    w13, w2 = pools[0]
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     return sum(len(runs) for runs, *_ in calls) * expert_bytes
 
@@ -124,14 +129,16 @@ def routed_call(tokens: int, generator: torch.Generator) -> tuple:
 
 
 def moe_rows(builds: dict[str, native.NativeKernels]) -> list[str]:
-    w13 = (torch.randn(SLOTS, 2 * INTER, HIDDEN) * 0.05).bfloat16()
-    w2 = (torch.randn(SLOTS, HIDDEN, INTER) * 0.05).bfloat16()
+    pool_bytes = SLOTS * 3 * HIDDEN * INTER * 2
+    pools = [((torch.randn(SLOTS, 2 * INTER, HIDDEN) * 0.05).bfloat16(),
+              (torch.randn(SLOTS, HIDDEN, INTER) * 0.05).bfloat16())
+             for _ in range(-(-CYCLED_BYTES // pool_bytes))]
     generator = torch.Generator().manual_seed(0)
-    lines = ["| MoE layer (64 slots of 3 MiB) | base GB/s | new GB/s | new / base |",
-             "|---|---|---|---|"]
+    lines = [f"| MoE layer (64 slots of 3 MiB, {len(pools)} layers' pools) | base GB/s | new GB/s "
+             "| new / base |", "|---|---|---|---|"]
     for tokens in MOE_TOKENS:
         calls = [routed_call(tokens, generator) for _ in range(24)]
-        r = alternate(builds, partial(_moe_pass, calls, w13, w2))
+        r = alternate(builds, partial(_moe_pass, calls, pools))
         lines.append(f"| {tokens} tokens | {r['base']:.1f} | {r['new']:.1f} | "
                      f"{r['new'] / r['base']:.2f}x |")
     return lines

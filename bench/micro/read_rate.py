@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mox.bench.machine import describe
+from mox.bench.machine import describe, past_the_cache
 from mox.kernels import native
 
 RESULTS_DIR = Path(__file__).parent.parent / "results"
-POOL_BYTES = 512 << 20          # cycled matrices: well past the L3
+POOL_BYTES = past_the_cache(512 << 20)   # cycled matrices: past the last-level cache
 SHAPES = {"expert gate+up [1024, 1024]": (1024, 1024), "expert down [1024, 512]": (1024, 512),
           "lm_head [32000, 1024]": (32000, 1024)}
 PASSES = 3

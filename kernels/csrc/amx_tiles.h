@@ -10,8 +10,9 @@
  * each m), and the sums come out as [weight row][x row], 32 weight rows and up to 32 x rows
  * at a time (8 tiles: 4 of sums, 2 of weights, 2 of x). Products are summed in fp32 as
  * vdpbf16ps does, in another order. Against the 4 x 4 tiles (native_ab, Xeon with AMX, two
- * threads, bench olmoe shapes): 1.05-1.15x at 4 x rows, 1.2x at 8, 2x at 16, 2.7-3.2x at 32;
- * 0.86-1.00x at 2 (so from 4).
+ * threads, bench olmoe shapes read from memory; bench/results/native_ab_amx-{1,2}.md):
+ * 1.03-1.18x at 4 x rows, 1.19-1.42x at 8, 1.80-2.20x at 16, 2.81-3.51x at 32; 0.86-1.00x at
+ * 2 (so from 4). A MoE layer's experts: 1.00-1.06x at ~4 rows an expert, 1.19-1.26x at ~8.
  *
  * Linux hands AMX's tile state to a process only on request (arch_prctl), once; each thread
  * loads the tile configuration before its first tile instruction and releases it after. */
