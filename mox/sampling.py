@@ -11,7 +11,7 @@ from numbers import Integral, Real
 
 import torch
 
-from mox.errors import InvalidRequestError
+from mox.errors import InvalidRequestError, MoxError
 
 # Below this, sampling is greedy: logits / 1e-39 overflow float32 to inf and the softmax to
 # NaN, and no temperature this small differs from argmax anyway (vLLM's floor too).
@@ -108,6 +108,20 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+class NaNLogitsError(MoxError):
+    def __init__(self) -> None:
+        super().__init__("the model's next-token logits are NaN: its weights or activations "
+                         "are not finite (a damaged or badly converted checkpoint?)")
+
+
+def nan_at(logits: torch.Tensor, tokens: list[int]) -> bool:
+    """Whether a row of `logits [S, V]` holds a NaN, given its argmax `tokens` (greedy_tokens
+    lands on a row's first NaN, if any): S values read, where scanning the rows for NaNs took
+    0.67 ms at 32 rows of 32k (1% of a decode step)."""
+    rows = torch.arange(len(tokens), device=logits.device)
+    return bool(torch.isnan(logits[rows, torch.tensor(tokens, device=logits.device)]).any())
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from next-token logits `[V]` (float32)."""
     if params.is_greedy:
@@ -124,4 +138,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside[0] = False            # even when top_p rounds to 0.0 in float32
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if torch.isnan(probs[0]):         # a NaN logit makes every probability NaN
+        raise NaNLogitsError()
     return int(torch.multinomial(probs, 1, generator=generator))
