@@ -1,5 +1,5 @@
 /* bf16 GEMVs of many x rows on AMX tiles (Intel Sapphire Rapids and later): the decode
- * GEMVs (bf16_gemv.c) from AMX_MIN_ROWS x rows on.
+ * GEMVs (bf16_gemv.c) and a MoE layer's bf16 experts (moe_experts.c) from AMX_MIN_ROWS x rows.
  *
  * From eight rows on a dense weight byte asks for more multiply-adds than AVX512-BF16's
  * dot products give at the read rate: at 32 rows, 16 a byte, and the 4 x 4 tiles read the
@@ -72,7 +72,9 @@ __attribute__((target("amx-tile")))
 static inline void amx_end(void) { _tile_release(); }
 
 /* bf16 values amx_pack_x writes for up to AMX_MAX_X_ROWS x rows of K */
-static inline size_t amx_packed_size(int64_t K) { return (size_t)(K / AMX_K) * 2 * AMX_ROWS * AMX_K; }
+static inline size_t amx_packed_size(int64_t K) {
+    return (size_t)(K / AMX_K) * 2 * AMX_ROWS * AMX_K;
+}
 
 /* x [M, K] bf16 (row stride ldx), M <= AMX_MAX_X_ROWS, K % AMX_K == 0, as B tiles into
  * `packed` (amx_packed_size, 64-byte aligned): for each k step, one tile of x rows 0-15 then
