@@ -115,10 +115,10 @@ static int gemv(const uint16_t *x, const float *xf, int64_t ldx, const uint16_t 
                  int isa) {
     /* tiles of weight rows against every x row: AMX's from AMX_MIN_ROWS x rows, AVX2's
      * (widened x: one weight row at a time for one or two x rows, three from three),
-     * AVX512-BF16's four from TILE_MIN_ROWS x rows */
+     * AVX512-BF16's four from tile_min_rows() x rows */
     if (isa == ISA_AVX512BF16 && M >= AMX_MIN_ROWS && N >= 2 * AMX_ROWS && amx_usable())
         return gemv_amx(x, ldx, w, ldw, y, ldy, M, N, K, out);
-    if (isa == ISA_AVX2 || (isa == ISA_AVX512BF16 && M >= TILE_MIN_ROWS)) {
+    if (isa == ISA_AVX2 || (isa == ISA_AVX512BF16 && M >= tile_min_rows())) {
         int64_t step = isa == ISA_AVX2 ? 3 : 4, cols = tile_columns(M, N, step, 12);
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n += cols) {

@@ -167,7 +167,7 @@ static void pool_rows_block(const uint16_t *x, const float *xf, const qrows_t *q
                    n1 - n0, out, ldy, K);
         return;
     }
-    if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16 && count >= TILE_MIN_ROWS) {
+    if (p.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16 && count >= tile_min_rows()) {
         tiles_avx512(x + first * K, K, count, (const uint16_t *)p.w + s * p.stride + n0 * K, K,
                      n1 - n0, out, ldy, K);
         return;
