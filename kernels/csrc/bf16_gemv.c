@@ -83,13 +83,14 @@ static int64_t tile_columns(int64_t M, int64_t N, int64_t step, int64_t unit) {
 static int gemv_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, void *y,
                     int64_t ldy, int M, int64_t N, int64_t K, int out) {
     int groups = (M + AMX_MAX_X_ROWS - 1) / AMX_MAX_X_ROWS;
+    size_t size = amx_packed_size(K);
     uint16_t *packed[MAX_GEMV_ROWS / AMX_MAX_X_ROWS];
+    uint16_t *all = aligned_alloc(64, groups * size * sizeof *all);
+    if (all == NULL)
+        return -2;
     for (int g = 0; g < groups; g++) {
         int left = M - g * AMX_MAX_X_ROWS, rows = left < AMX_MAX_X_ROWS ? left : AMX_MAX_X_ROWS;
-        if ((packed[g] = aligned_alloc(64, amx_packed_size(K) * sizeof(uint16_t))) == NULL) {
-            while (g--) free(packed[g]);
-            return -2;
-        }
+        packed[g] = all + g * size;
         amx_pack_x(x + g * AMX_MAX_X_ROWS * ldx, ldx, rows, K, packed[g]);
     }
     int64_t cols = tile_columns(M, N, 2 * AMX_ROWS, 2 * AMX_ROWS);
@@ -105,8 +106,7 @@ static int gemv_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t l
         }
         amx_end();
     }
-    for (int g = 0; g < groups; g++)
-        free(packed[g]);
+    free(all);
     return 0;
 }
 

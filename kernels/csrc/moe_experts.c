@@ -334,9 +334,11 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
                                                        || H % p13.group || I % p13.group))
                       || (p13.kind == WEIGHTS_MXFP4 && p13.group != 32)))
         return -1;
-    int64_t num_rows = 0;
-    for (int64_t a = 0; a < num_active; a++)
+    int64_t num_rows = 0, most_rows = 0;
+    for (int64_t a = 0; a < num_active; a++) {
         num_rows += counts[a];
+        most_rows = counts[a] > most_rows ? counts[a] : most_rows;
+    }
     qrows_t q13 = {0}, q2 = {0};
     int bf16_avx2 = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX2;
     float *rows_f = bf16_avx2 ? widen_rows(rows, H, num_rows, H, isa) : NULL;
@@ -354,7 +356,9 @@ int mox_moe_experts(const uint16_t *rows, pool_t p13, pool_t p2, const gating_t 
         return -2;
     }
     int64_t amx_size = amx_packed_size(H > I ? H : I);
-    uint16_t *amx = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16 && amx_usable()
+    /* (no scratch, and no tile configuration, for a call no expert of which takes AMX) */
+    uint16_t *amx = p13.kind == WEIGHTS_BF16 && isa == ISA_AVX512BF16
+                    && most_rows >= AMX_MIN_ROWS && amx_usable()
                     ? aligned_alloc(64, omp_get_max_threads() * amx_size * sizeof *amx) : NULL;
     experts_t e = {rows, rows_f, row_weights, &q13, &q2, p13, p2, g, slots, starts, counts, H,
                    I, gate_up, act_f, down, act, quantized, isa, amx, amx_size};

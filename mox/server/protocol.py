@@ -14,7 +14,7 @@ import msgspec
 
 from mox.errors import InvalidRequestError
 from mox.messages import MAX_MODEL_NAME
-from mox.sampling import SEED_RANGE, SamplingParams
+from mox.sampling import SamplingParams
 from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
@@ -147,18 +147,11 @@ def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_para
              f"top_p must be in (0, 1], got {body.top_p}", "top_p")
     _require(body.top_k is None or body.top_k == -1 or body.top_k >= 1,
              f"top_k must be -1 (off) or at least 1, got {body.top_k}", "top_k")
-    _require(body.seed is None or SEED_RANGE[0] <= body.seed <= SEED_RANGE[1],
-             f"seed out of range: {body.seed}", "seed")
-    _require(all(_stop_list(body.stop)), "stop strings must be non-empty", "stop")
     _require(body.stream or body.stream_options is None,
              "stream_options is only allowed with stream=true", "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
         _require(not getattr(body, name), f"{name} is not supported", name)
     _require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
-
-
-def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
@@ -167,8 +160,8 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingP
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
-        seed=body.seed, stop=_stop_list(body.stop),
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        seed=body.seed, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
         logprobs=logprobs)
 
 

@@ -84,7 +84,7 @@ def test_deeply_nested_json_is_a_400_not_a_crash(opener, closer):
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"n": 2}, "n"), ({"top_k": 0}, "top_k"), ({"stop": ["ok", ""]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": 3}, "logprobs"),
-    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"seed": 2**64}, "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_out_of_range_values_are_refused(fields, param):
