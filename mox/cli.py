@@ -18,6 +18,8 @@ if TYPE_CHECKING:                  # the router imports torch: `mox --help` shou
     from mox.router import RouterConfig
     from mox.server.limits import ServerLimits
 
+INTERRUPTED = 130                  # the shell's status for a command ended by SIGINT (128 + 2)
+
 
 def _generate(args: argparse.Namespace) -> int:
     from mox.demo import ensure_demo_models
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:      # the file system refused (a full disk, a path that is a file)
         print(f"mox: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: each command's `finally` blocks have cleaned up
+        print("mox: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from mox.model_import import (
     format_bytes,
     import_expert_major,
     progress_bar,
+    remove_import_lock,
     staging_folders,
     tree_bytes,
     verify_checkpoint,
@@ -142,7 +143,9 @@ def _describe(settings: ModelSettings) -> str:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    entry = Registry(args.home).remove(args.name)
+    registry = Registry(args.home)
+    entry = registry.remove(args.name)
+    remove_import_lock(registry.models_dir, entry.name)
     print(f"removed {entry.name} (its files stay at {entry.path})")
     return 0
 

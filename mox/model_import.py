@@ -191,6 +191,17 @@ def _import_lock(models_dir: str, name: str) -> Iterator[None]:
         os.close(fd)                              # releases the lock
 
 
+def remove_import_lock(models_dir: str, name: str) -> None:
+    """Delete model `name`'s lock file (`mox models rm`), unless an import holds it: one
+    file per model ever imported would otherwise stay behind."""
+    path = os.path.join(models_dir, IMPORT_LOCK.format(name))
+    try:
+        with _import_lock(models_dir, name):
+            os.unlink(path)
+    except (RegistryError, FileNotFoundError):
+        pass                                      # an import runs: it keeps its lock
+
+
 def is_staging_of(name: str, folder: str) -> bool:
     """Whether `folder` (a name in models_dir) is an import copy of model `name`. The random
     part never holds '-' (hex here, mkdtemp's letters, digits and '_' before), so model

@@ -65,6 +65,10 @@ class ModelEntry(CheckpointFacts, frozen=True, kw_only=True):
     settings: ModelSettings = ModelSettings()     # the operator's: pin, priority, keep-alive
     verified: str = ""            # ISO-8601 UTC of the last `mox models verify` that passed
 
+    def __post_init__(self) -> None:
+        # also on reading the file: a hand-edited name must not become a path or a label
+        validate_name(self.name)
+
 
 class RegistryFile(msgspec.Struct, kw_only=True):
     version: int = REGISTRY_FORMAT_VERSION
@@ -245,6 +249,11 @@ class Registry:
             registry = msgspec.json.decode(raw, type=RegistryFile)
         except (msgspec.DecodeError, InvalidRequestError) as e:
             raise RegistryError(f"{self.path}: corrupt registry ({e}); fix or delete it") from e
+        names = [m.name for m in registry.models]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise RegistryError(f"{self.path}: corrupt registry (models listed twice: "
+                                f"{', '.join(twice)}); fix or delete it")
         if registry.version > REGISTRY_FORMAT_VERSION:
             raise RegistryError(f"{self.path}: registry format {registry.version} is newer "
                                 f"than this mox understands ({REGISTRY_FORMAT_VERSION})")

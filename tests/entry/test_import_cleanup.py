@@ -40,7 +40,11 @@ def hung_import(tmp_path, home, demo_path):
     """`q2` registered and an import of it running, stopped with its copy staged."""
     Registry(home).add("q2", demo_path)
     ready = str(tmp_path / "ready")
-    proc = subprocess.Popen([sys.executable, "-c", HUNG_IMPORT, "q2", home, ready])
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", HUNG_IMPORT, "q2", home, ready],
+                                stderr=stderr)
+    proc.stderr_path = err
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not os.path.exists(ready):
@@ -125,3 +129,26 @@ def test_import_removes_only_its_own_stale_copies(capsys, home, demo_path):
     assert rc == 0 and "removed 1000 B left by an interrupted import of a" in err
     assert sorted(map(os.path.basename, staging_folders(registry.models_dir))) == sorted(
         others)
+
+
+def test_ctrl_c_ends_an_import_cleanly(home, hung_import):
+    """SIGINT mid-import: one line, the shell's status 130, no traceback; the staging copy
+    is gone and the registry still points at the original."""
+    registry = Registry(home)
+    [staged] = staging_folders(registry.models_dir, "q2")
+    hung_import.send_signal(signal.SIGINT)
+    assert hung_import.wait(timeout=READY_TIMEOUT_S) == 130
+    err = hung_import.stderr_path.read_text()
+    assert "mox: interrupted" in err and "Traceback" not in err, err
+    assert not os.path.exists(staged)
+    assert not registry.get("q2").repacked
+
+
+def test_rm_removes_the_models_import_lock(capsys, home, demo_path):
+    registry = Registry(home)
+    registry.add("a", demo_path)
+    rc, _, err = mox(capsys, "models", "import", "a", "--home", home)
+    lock = os.path.join(registry.models_dir, ".import-a.lock")
+    assert rc == 0 and os.path.exists(lock), err
+    rc, _, err = mox(capsys, "models", "rm", "a", "--home", home)
+    assert rc == 0 and not os.path.exists(lock), err

@@ -299,3 +299,20 @@ def test_verify_passes_then_fails_naming_the_file(capsys, home, own_copy, corrup
     bad_file = corrupt(own_copy)
     rc, _, err = mox(capsys, "models", "verify", "m", "--home", home)
     assert rc == 2 and bad_file in err, err
+
+
+@pytest.mark.parametrize("models", [
+    [{"name": "../escape"}],                     # a hand-edited name that is a path
+    [{"name": "m"}, {"name": "m"}],              # one name listed twice
+])
+def test_bad_names_in_the_registry_file_are_reported(home, demo_path, models):
+    Registry(home).add("m", demo_path)
+    path = os.path.join(home, REGISTRY_FILE)
+    with open(path) as f:
+        data = json.load(f)
+    entry = data["models"][0]
+    data["models"] = [{**entry, **m} for m in models]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(RegistryError, match=f"{REGISTRY_FILE}: corrupt registry"):
+        Registry(home).list()
