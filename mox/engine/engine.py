@@ -214,7 +214,7 @@ class Engine:
             step = next((f for f in self._in_flight.values() if f.resumable), None)
             if step is None:
                 batch = self.scheduler.schedule()
-                outputs += [self._finish(self._live[s.request_id], FinishReason.LENGTH, [], "")
+                outputs += [self._out_of_kv(self._live[s.request_id])
                             for s in self.scheduler.out_of_kv]
                 self.scheduler.out_of_kv.clear()
                 if batch is not None:
@@ -313,6 +313,17 @@ class Engine:
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= context:
             return FinishReason.LENGTH
         return None
+
+    def _out_of_kv(self, live: _Live) -> RequestOutput:
+        """The KV pool is the sequence's context limit: it ends as at the model's context,
+        with the text its detokenizer held back (a split character, a possible stop string's
+        start) flushed."""
+        reason, delta = FinishReason.LENGTH, ""
+        if live.detokenizer is not None:
+            delta = live.detokenizer.push([], final=True)
+            if live.detokenizer.stopped:
+                reason = FinishReason.STOP
+        return self._finish(live, reason, [], delta)
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], delta: str,
                 logprobs: list[float] | None = None, error: str | None = None,

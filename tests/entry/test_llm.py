@@ -130,3 +130,16 @@ def test_nan_logits_fail_the_request_with_a_clear_error(llm, temperature):
     finally:
         head.copy_(saved)
     assert llm.generate(prompts="hello", max_tokens=2)[0].token_ids    # serving goes on
+
+
+def test_a_sequence_the_kv_pool_ends_keeps_its_held_back_text(demo_home):
+    """Ended by a full pool (its context limit here), a sequence's text is all its tokens'
+    text, as when max_tokens ends it: the stop-string look-behind the detokenizer held back
+    is flushed."""
+    llm = LLM(os.path.join(demo_home, "models", "olmoe-demo"), kv_memory="256KiB")
+    kwargs = dict(prompt_token_ids=[[5, 6, 7]], temperature=0.0, ignore_eos=True)
+    [free] = llm.generate(max_tokens=4000, **kwargs)
+    assert free.finish_reason == "length" and len(free.token_ids) < 4000   # the pool ended it
+    [held] = llm.generate(max_tokens=4000, stop=["\x1e\u2603 never"], **kwargs)
+    assert held.token_ids == free.token_ids
+    assert held.text == free.text == llm.tokenizer.decode(free.token_ids)
