@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from mox.cli_args import count, device, port
+from mox.cli_args import byte_size, count, device, non_negative, port, positive
 from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
 from mox.errors import MoxError
@@ -78,7 +78,6 @@ def _serve(args: argparse.Namespace) -> int:
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The HTTP server's limits from `mox serve`'s options (MoxError if they disagree)."""
     from mox.server.limits import ServerLimits
-    from mox.units import parse_size
 
     # (a cap below the default output limit lowers that default, unless one was given)
     default_max_tokens = (args.default_max_tokens if args.default_max_tokens is not None
@@ -86,7 +85,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     try:
         return ServerLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            max_body_bytes=parse_size(args.max_body_size), max_connections=args.max_connections,
+            max_body_bytes=args.max_body_size, max_connections=args.max_connections,
             default_max_tokens=default_max_tokens, max_tokens_cap=args.max_tokens_cap,
             shutdown_grace_s=args.shutdown_grace)
     except ValueError as e:
@@ -196,21 +195,21 @@ def _add_limit_arguments(group) -> None:
     from mox.server.limits import ServerLimits
 
     d = ServerLimits()
-    group.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+    group.add_argument("--header-timeout", type=positive, default=d.header_timeout_s,
                        help="seconds from connecting (or the previous response) to a whole "
                        "request's headers; idle keep-alive connections close after it too")
-    group.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+    group.add_argument("--body-timeout", type=positive, default=d.body_timeout_s,
                        help="seconds from the headers to the whole body (408 past it)")
-    group.add_argument("--max-body-size", default=str(d.max_body_bytes),
+    group.add_argument("--max-body-size", type=byte_size, default=d.max_body_bytes,
                        help="largest request body, e.g. 1MiB (413 past it)")
-    group.add_argument("--max-connections", type=int, default=d.max_connections,
+    group.add_argument("--max-connections", type=count, default=d.max_connections,
                        help="open connections at once (503 and close past it)")
-    group.add_argument("--default-max-tokens", type=int,
+    group.add_argument("--default-max-tokens", type=count,
                        help=f"output limit of a chat request that sets none (default "
                        f"{d.default_max_tokens}, or --max-tokens-cap if lower)")
-    group.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
+    group.add_argument("--max-tokens-cap", type=count, default=d.max_tokens_cap,
                        help="the most output tokens one request may ask for (400 past it)")
-    group.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+    group.add_argument("--shutdown-grace", type=non_negative, default=d.shutdown_grace_s,
                        help="seconds from SIGTERM to exit; requests still running 2 s before "
                        "it are ended with an error (streams: error event, then [DONE])")
 

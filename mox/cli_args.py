@@ -23,6 +23,28 @@ def positive(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """A finite number of at least 0 (a grace period that may be none)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """A size above 0 bytes, e.g. 1MiB."""
+    from mox.errors import InvalidRequestError
+    from mox.units import parse_size
+
+    try:
+        value = parse_size(text)
+    except InvalidRequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not value:
+        raise argparse.ArgumentTypeError(f"must be above 0 bytes, not {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port; 0 asks the system for a free one."""
     value = int(text)

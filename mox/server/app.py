@@ -34,6 +34,7 @@ from mox.server.handlers import (
     health,
     list_models,
     metrics,
+    retrieve_model,
 )
 from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 from mox.server.metrics import ServerMetrics
@@ -136,6 +137,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None,
     app[METRICS] = server_metrics
     app[IN_FLIGHT] = in_flight
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
     for path, handler in (("/v1/completions", create_completion),
                           ("/v1/chat/completions", create_chat_completion)):
         app.router.add_post(path, handler, expect_handler=_expect_continue)

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
-from mox.errors import InvalidRequestError
+from mox.errors import InvalidRequestError, ModelNotFoundError
 from mox.messages import Request
 from mox.server.backend import ServingBackend
 from mox.server.errors import BodyTimeoutError, NotReadyError
@@ -47,13 +47,24 @@ def json_response(body: msgspec.Struct) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
+def _model_cards(http_request: web.Request) -> list[ModelCard]:
+    return [ModelCard(info.name, info.created, info.state.value,
+                      error=UNSET if info.error is None else info.error,
+                      settings=UNSET if info.settings is None else info.settings)
+            for info in http_request.app[CONTEXT].backend.models()]
+
+
 async def list_models(http_request: web.Request) -> web.Response:
-    backend = http_request.app[CONTEXT].backend
-    return json_response(ModelList([
-        ModelCard(info.name, info.created, info.state.value,
-                  error=UNSET if info.error is None else info.error,
-                  settings=UNSET if info.settings is None else info.settings)
-        for info in backend.models()]))
+    return json_response(ModelList(_model_cards(http_request)))
+
+
+async def retrieve_model(http_request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}`: one model's card (404 model_not_found for any other)."""
+    name = http_request.match_info["model"]
+    card = next((c for c in _model_cards(http_request) if c.id == name), None)
+    if card is None:
+        raise ModelNotFoundError(f"model {name!r} is not served; see GET /v1/models")
+    return json_response(card)
 
 
 async def health(http_request: web.Request) -> web.Response:

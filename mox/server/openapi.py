@@ -112,6 +112,13 @@ def _paths() -> dict[str, Any]:
             "responses": {"200": {"description": "The models and their states.",
                                   "content": {"application/json": {"schema": _ref("ModelList")}}},
                           **_errors((401, *ANY_ROUTE_ERRORS))}}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel", "summary": "One model this server serves.",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The model and its state.",
+                                  "content": {"application/json": {"schema": _ref("ModelCard")}}},
+                          **_errors((401, 404, *ANY_ROUTE_ERRORS))}}},
         "/v1/completions": _generation("createCompletion", "Complete a prompt.",
                                        "CompletionRequest", "Completion", "Completion"),
         "/v1/chat/completions": _generation("createChatCompletion", "Answer a conversation.",

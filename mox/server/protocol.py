@@ -2,7 +2,9 @@
 
 Unknown fields are ignored (msgspec's default), as OpenAI clients expect. Known OpenAI
 parameters that mox cannot honour are refused with a 400 naming the parameter, never
-silently dropped. `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's extensions.
+silently dropped. `top_k`, `ignore_eos` and `stop_token_ids` are vLLM's extensions; vLLM's
+other sampling extensions are refused unless they are at their defaults (a client that sets
+them expects them to work).
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's extensions mox does not implement: refused unless at these (vLLM's) defaults
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -69,10 +82,11 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    # (tool and function messages need tools, which mox refuses)
+    # (tool and function messages, and an assistant's tool_calls, need tools: refused)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
 
     def as_template_input(self) -> dict[str, str]:
         """The message as chat templates expect it: text content (parts joined by lines)."""
@@ -102,6 +116,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -152,6 +167,17 @@ def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_para
     for name in ("presence_penalty", "frequency_penalty"):
         _require(not getattr(body, name), f"{name} is not supported", name)
     _require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+    for name, default in _VLLM_DEFAULTS.items():
+        value = getattr(body, name)
+        _require(value is None or value == default,
+                 f"{name} is not supported (only its default, {default!r})", name)
+
+
+# vLLM's sampling extensions mox does not implement, with the values that leave them off
+_VLLM_DEFAULTS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
+                  "use_beam_search": False, "include_stop_str_in_output": False,
+                  "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
+                  "guided_choice": None, "guided_grammar": None}
 
 
 def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
@@ -160,7 +186,8 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingP
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
-        seed=body.seed, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
+        seed=body.seed, stop=() if body.stop is None else body.stop,
+        stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs)
 
@@ -175,7 +202,8 @@ def completion_sampling_params(body: CompletionRequest,
     _require(not body.echo, "echo is not supported", "echo")
     _require(body.best_of in (None, 1), "best_of must be 1", "best_of")
     _require(body.suffix is None, "suffix is not supported", "suffix")
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = (min(DEFAULT_COMPLETION_MAX_TOKENS, limits.max_tokens_cap)
+                  if body.max_tokens is None else body.max_tokens)
     return _params(body, max_tokens, logprobs=body.logprobs is not None)
 
 
@@ -190,6 +218,11 @@ def chat_sampling_params(body: ChatCompletionRequest,
     _require(not body.top_logprobs, "top_logprobs is not supported; logprobs=true reports the "
              "chosen token's log-probability", "top_logprobs")
     _require(not body.tools, "tools are not supported", "tools")
+    _require(body.tool_choice in (None, "none"), "tool_choice is not supported (tools are "
+             "not)", "tool_choice")
+    for i, message in enumerate(body.messages):
+        _require(not message.tool_calls, "tool calls are not supported (tools are not)",
+                 f"messages[{i}].tool_calls")
     _require(body.response_format is None or body.response_format.type == "text",
              "only response_format type 'text' is supported", "response_format")
     _require(len(body.messages) > 0, "messages must not be empty", "messages")

@@ -23,6 +23,14 @@ from mox.router import RouterConfig
     (["bench", "--prompt-tokens", "-5"], "--prompt-tokens"),
     (["bench", "--rate", "nan"], "--rate"),
     (["bench", "--duration", "inf"], "--duration"),
+    (["serve", "--header-timeout", "0"], "--header-timeout"),
+    (["serve", "--body-timeout", "-1"], "--body-timeout"),
+    (["serve", "--max-connections", "0"], "--max-connections"),
+    (["serve", "--max-body-size", "0"], "--max-body-size"),
+    (["serve", "--max-body-size", "lots"], "--max-body-size"),
+    (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
+    (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace"),
 ])
 def test_bad_values_are_a_usage_error_naming_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -35,6 +43,8 @@ def test_bad_values_are_a_usage_error_naming_the_option(argv, option, capsys):
 def test_good_values_pass():
     args = build_parser().parse_args(["serve", "--port", "0", "--device", "cpu"])
     assert args.port == 0 and args.device == "cpu"
+    args = build_parser().parse_args(["serve", "--max-body-size", "2MiB", "--shutdown-grace", "0"])
+    assert args.max_body_size == 2 << 20 and args.shutdown_grace == 0
     assert build_parser().parse_args(["bench", "--models", "2", "--rate", "0.5"]).rate == 0.5
 
 

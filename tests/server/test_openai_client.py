@@ -28,6 +28,15 @@ def test_models_list(client):
         assert m.model_extra["state"] in ("cold", "loading", "warm")
 
 
+def test_models_retrieve(client):
+    model = client.models.retrieve(MODEL)
+    listed = {m.id: m for m in client.models.list()}[MODEL]
+    assert model.id == MODEL and model.created == listed.created and model.owned_by == "mox"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+
+
 def test_completion_whole_and_streamed(client):
     whole = client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
     assert whole.id.startswith("cmpl-") and whole.object == "text_completion"

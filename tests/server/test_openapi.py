@@ -101,7 +101,10 @@ DEMO_OR_ANY = {"anyOf": [{"enum": list(DEMO_MODELS)}, {"type": "string"}]}
 # Parameters the server refuses (unsupported by mox), in all or most of their values: left
 # out of the `likely_valid` bodies so that most of those reach the engine.
 REFUSED = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of",
-           "suffix", "top_logprobs", "tools", "response_format", "logprobs", "stream_options")
+           "suffix", "top_logprobs", "tools", "tool_choice", "response_format", "logprobs",
+           "stream_options", "repetition_penalty", "min_p", "min_tokens", "use_beam_search",
+           "include_stop_str_in_output", "prompt_logprobs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar")
 IN_RANGE = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
             "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
             "top_k": {"type": "integer", "minimum": 1, "maximum": 64},
@@ -138,6 +141,7 @@ def fuzz_schemas(likely_valid: bool) -> dict:
                 struct["properties"].pop(refused, None)
     if likely_valid:
         schemas["ChatMessage"]["properties"]["role"] = {"enum": ["system", "user", "assistant"]}
+        schemas["ChatMessage"]["properties"].pop("tool_calls")           # refused
         schemas["TextPart"] = {"type": "object", "required": ["type", "text"], "properties": {
             "type": {"enum": ["text"]}, "text": {"type": "string", "maxLength": MAX_STRING}}}
     return schemas

@@ -85,12 +85,47 @@ def test_deeply_nested_json_is_a_400_not_a_crash(opener, closer):
     ({"n": 2}, "n"), ({"top_k": 0}, "top_k"), ({"stop": ["ok", ""]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logprobs": 3}, "logprobs"),
     ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"seed": 2**64}, "seed"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"stop": ""}, "stop"),
+    ({"repetition_penalty": 1.5}, "repetition_penalty"), ({"min_p": 0.1}, "min_p"),
+    ({"min_tokens": 4}, "min_tokens"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ])
 def test_out_of_range_values_are_refused(fields, param):
     with pytest.raises(InvalidRequestError) as e:
         completion_sampling_params(_completion(**fields))
     assert e.value.param == param
+
+
+def test_vllm_extensions_at_their_defaults_are_accepted():
+    params = completion_sampling_params(_completion(
+        repetition_penalty=1.0, min_p=0.0, min_tokens=0, use_beam_search=False,
+        include_stop_str_in_output=False, prompt_logprobs=None, guided_json=None))
+    assert params.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
+
+
+def test_a_lower_cap_lowers_the_completions_default():
+    limits = ServerLimits(default_max_tokens=8, max_tokens_cap=8)
+    assert completion_sampling_params(_completion(), limits).max_tokens == 8
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages[1].tool_calls"),
+])
+def test_tool_use_is_refused_not_dropped(fields, param):
+    with pytest.raises(InvalidRequestError) as e:
+        chat_sampling_params(_chat(**fields))
+    assert e.value.param == param
+
+
+def test_tool_choice_none_and_parallel_tool_calls_without_tools_are_accepted():
+    params = chat_sampling_params(_chat(tool_choice="none", parallel_tool_calls=False))
+    assert params.max_tokens == ServerLimits().default_max_tokens
 
 
 def test_sampling_params_carry_the_request():
