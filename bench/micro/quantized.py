@@ -89,54 +89,55 @@ def _cold_ttft(path: str, prompt: list[int]) -> float:
 
 
 def agreement(home: str) -> list[dict]:
-    """Per demo model, over `AGREEMENT_PROMPTS` seeded 16-token prompts: free-running greedy
+    """Per demo model, over `AGREEMENT_PROMPTS` seeded 16-token prompts: `agreement_row`."""
+    rows = []
+    architectures = tuple(a for a in DEMO_ARCHITECTURES if a != "gpt_oss")   # fused experts
+    for name, path in ensure_demo_models(home, architectures=architectures).items():
+        rng = random.Random(0)
+        vocab = Checkpoint(path).spec.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(AGREEMENT_PROMPTS)]
+        rows.append(agreement_row(name, path, ensure_quantized(home, path, "int8"), prompts))
+    return rows
+
+
+def agreement_row(name: str, path: str, quantized: str, prompts: list[list[int]]) -> dict:
+    """int8 experts (`quantized`) against bf16 (`path`), over `prompts`: free-running greedy
     (share of the first 32 tokens equal, and where they first differ: the median prompt's)
     and teacher-forced (int8's argmax at each of bf16's 32 positions), pooled over the
     prompts; one prompt's 32 positions made the share move 3 points a flip. Beside them, the
     same shares for the model in float32 against bf16 (`control_*`): how far rounding alone,
-    with no quantization, moves these random-weight models."""
-    rows = []
-    architectures = tuple(a for a in DEMO_ARCHITECTURES if a != "gpt_oss")   # fused experts
-    for name, path in ensure_demo_models(home, architectures=architectures).items():
-        quantized = ensure_quantized(home, path, "int8")
-        llms = {BF16: LLM(path), "int8": LLM(quantized), "fp32": LLM(path, dtype="float32")}
-        rng = random.Random(0)
-        vocab = Checkpoint(path).spec.vocab_size
-        shares = {other: {"equal": [], "firsts": [], "forced": [], "max_diff": 0.0}
-                  for other in ("int8", "fp32")}
-        logit_range = 0.0
-        for _ in range(AGREEMENT_PROMPTS):
-            prompt = [rng.randrange(vocab) for _ in range(16)]
-            tokens = {label: llm.generate(prompt_token_ids=[prompt], max_tokens=AGREEMENT_TOKENS,
-                                          temperature=0.0, ignore_eos=True)[0].token_ids
-                      for label, llm in llms.items()}
-            base = tokens[BF16]
-            teacher = torch.tensor(prompt + base)
-            logits = {label: llm.model.forward(teacher, llm.model.new_cache())[
-                len(prompt) - 1:-1].float() for label, llm in llms.items()}        # [32, V]
-            for other, share in shares.items():
-                share["equal"].append(sum(a == b for a, b in zip(base, tokens[other]))
-                                      / len(base))
-                share["firsts"].append(next((i for i, (a, b) in enumerate(zip(base,
-                                                                             tokens[other]))
-                                             if a != b), len(base)))
-                share["forced"].append(float((logits[BF16].argmax(-1)
-                                              == logits[other].argmax(-1)).float().mean()))
-                share["max_diff"] = max(share["max_diff"],
-                                        float((logits[BF16] - logits[other]).abs().max()))
-            logit_range = max(logit_range, float(logits[BF16].abs().max()))
-        quant, control = shares["int8"], shares["fp32"]
-        rows.append({"model": name, "equal": statistics.mean(quant["equal"]),
-                     "first_difference": statistics.median(quant["firsts"]),
-                     "forced": statistics.mean(quant["forced"]),
-                     "forced_per_prompt": quant["forced"], "max_logit_diff": quant["max_diff"],
-                     "logit_range": logit_range,
-                     "control_equal": statistics.mean(control["equal"]),
-                     "control_first_difference": statistics.median(control["firsts"]),
-                     "control_forced": statistics.mean(control["forced"]),
-                     "control_max_logit_diff": control["max_diff"]})
-        del llms
-    return rows
+    with no quantization, moves the model."""
+    llms = {BF16: LLM(path), "int8": LLM(quantized), "fp32": LLM(path, dtype="float32")}
+    shares = {other: {"equal": [], "firsts": [], "forced": [], "max_diff": 0.0}
+              for other in ("int8", "fp32")}
+    logit_range = 0.0
+    for prompt in prompts:
+        tokens = {label: llm.generate(prompt_token_ids=[prompt], max_tokens=AGREEMENT_TOKENS,
+                                      temperature=0.0, ignore_eos=True)[0].token_ids
+                  for label, llm in llms.items()}
+        base = tokens[BF16]
+        teacher = torch.tensor(prompt + base)
+        logits = {label: llm.model.forward(teacher, llm.model.new_cache())[
+            len(prompt) - 1:-1].float() for label, llm in llms.items()}        # [32, V]
+        for other, share in shares.items():
+            share["equal"].append(sum(a == b for a, b in zip(base, tokens[other])) / len(base))
+            share["firsts"].append(next((i for i, (a, b) in enumerate(zip(base, tokens[other]))
+                                         if a != b), len(base)))
+            share["forced"].append(float((logits[BF16].argmax(-1)
+                                          == logits[other].argmax(-1)).float().mean()))
+            share["max_diff"] = max(share["max_diff"],
+                                    float((logits[BF16] - logits[other]).abs().max()))
+        logit_range = max(logit_range, float(logits[BF16].abs().max()))
+    quant, control = shares["int8"], shares["fp32"]
+    return {"model": name, "equal": statistics.mean(quant["equal"]),
+            "first_difference": statistics.median(quant["firsts"]),
+            "forced": statistics.mean(quant["forced"]),
+            "forced_per_prompt": quant["forced"], "max_logit_diff": quant["max_diff"],
+            "logit_range": logit_range,
+            "control_equal": statistics.mean(control["equal"]),
+            "control_first_difference": statistics.median(control["firsts"]),
+            "control_forced": statistics.mean(control["forced"]),
+            "control_max_logit_diff": control["max_diff"]}
 
 
 def measure(home: str, repeats: int, preset: str) -> dict:
@@ -205,11 +206,17 @@ def markdown(r: dict, argv: list[str]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Agreement, int8 experts vs bf16 (demo models, greedy, {AGREEMENT_PROMPTS} "
               "seeded 16-token prompts pooled; first difference: the median prompt's):", "",
-              "| model | free-running: first 32 equal | first difference at | teacher-forced "
-              "top-1 equal | max logit diff (forced) | max abs logit | control, float32 vs "
-              "bf16: free-running, first difference, teacher-forced, max logit diff |",
-              "|---|---|---|---|---|---|---|"]
-    for a in r["agreement"]:
+              *agreement_lines(r["agreement"])]
+    return "\n".join(lines) + "\n"
+
+
+def agreement_lines(rows: list[dict]) -> list[str]:
+    """`agreement_row`s as a markdown table and the shares' mean and lowest."""
+    lines = ["| model | free-running: first 32 equal | first difference at | teacher-forced "
+             "top-1 equal | max logit diff (forced) | max abs logit | control, float32 vs "
+             "bf16: free-running, first difference, teacher-forced, max logit diff |",
+             "|---|---|---|---|---|---|---|"]
+    for a in rows:
         lines.append(f"| {a['model']} | {a['equal']:.0%} | {a['first_difference']} | "
                      f"{a['forced']:.0%} | {a['max_logit_diff']:.3f} | {a['logit_range']:.2f} | "
                      f"{a['control_equal']:.0%}, {a['control_first_difference']}, "
@@ -217,9 +224,9 @@ def markdown(r: dict, argv: list[str]) -> str:
     for key, label in (("equal", "free-running"), ("forced", "teacher-forced"),
                        ("control_equal", "control free-running"),
                        ("control_forced", "control teacher-forced")):
-        shares = [a[key] for a in r["agreement"]]
+        shares = [a[key] for a in rows]
         lines.append(f"\n{label}: mean {statistics.mean(shares):.0%}, lowest {min(shares):.0%}.")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
