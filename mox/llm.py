@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 
 import msgspec
 import torch
@@ -84,6 +85,9 @@ class LLM:
         self.tokenizer: Tokenizer | None = served.tokenizer
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
+        # one generate at a time steps the router (each call collects the outputs of the steps
+        # it runs); callers on other threads wait their turn. AsyncEngine serves concurrently.
+        self._generating = threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -114,13 +118,20 @@ class LLM:
                  seed: int | None = None, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                  logprobs: bool = False) -> list[CompletionOutput]:
-        """All prompts go to the engine at once and are batched together."""
+        """All prompts go to the engine at once and are batched together. Calls from several
+        threads run one after another."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=() if stop is None else stop,
             stop_token_ids=() if stop_token_ids is None else stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs)
         prompts_ids = self._prompt_ids(prompts, prompt_token_ids)
+        with self._generating:
+            return self._generate(prompts_ids, params)
+
+    def _generate(self, prompts_ids: list[list[int]],
+                  params: SamplingParams) -> list[CompletionOutput]:
+        logprobs = params.logprobs
         self._reopen_if_failed()
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts_ids]
         results = {rid: CompletionOutput(p, [], FinishReason.LENGTH,

@@ -137,8 +137,15 @@ class WeightLoader:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """"cuda" -> "cuda:N" (the current device): tensors report an indexed device, and a
-    model's parts are compared by device."""
-    resolved = torch.device(device)
+    model's parts are compared by device. mox runs on cpu or cuda (InvalidRequestError else)."""
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidRequestError(f"not a device: {device!r} (cpu, cuda, cuda:N)") from e
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"mox runs on cpu or cuda, not {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"{device!r}: this machine has no CUDA device")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -143,3 +144,32 @@ def test_a_sequence_the_kv_pool_ends_keeps_its_held_back_text(demo_home):
     [held] = llm.generate(max_tokens=4000, stop=["\x1e\u2603 never"], **kwargs)
     assert held.token_ids == free.token_ids
     assert held.text == free.text == llm.tokenizer.decode(free.token_ids)
+
+
+def test_generate_from_two_threads_gives_each_its_own_outputs(llm):
+    """Calls on two threads run one after the other: each gets its own results, as alone."""
+    prompts = {0: [[5, 6, 7], [8, 9]], 1: [[10, 11, 12, 13]]}
+    kwargs = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = {k: [o.token_ids for o in llm.generate(prompt_token_ids=p, **kwargs)]
+             for k, p in prompts.items()}
+    got, errors = {}, []
+
+    def run(k: int) -> None:
+        try:
+            got[k] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[k], **kwargs)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert got == alone
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "mps"])
+def test_a_device_mox_cannot_use_is_refused(demo_home, device):
+    with pytest.raises(InvalidRequestError, match="device|cpu or cuda"):
+        LLM(os.path.join(demo_home, "models", "olmoe-demo"), device=device)
