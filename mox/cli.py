@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from mox.cli_args import byte_size, count, device, non_negative, port, positive
+from mox.cli_args import byte_size, count, device, non_negative, port, positive, whole
 from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
 from mox.errors import MoxError
@@ -18,6 +18,7 @@ if TYPE_CHECKING:                  # the router imports torch: `mox --help` shou
     from mox.router import RouterConfig
     from mox.server.limits import ServerLimits
 
+FLEET_REPLICAS = 2                 # `mox serve --ray` without a count
 INTERRUPTED = 130                  # the shell's status for a command ended by SIGINT (128 + 2)
 
 
@@ -115,9 +116,13 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
     from mox.fleet.app import FleetOptions, run_fleet
     from mox.serve import registered_models
 
+    autoscaling = args.min_replicas is not None or args.max_replicas is not None
+    if autoscaling and args.replicas is not None:
+        raise MoxError("give --replicas (a fixed count) or --min-replicas / --max-replicas "
+                       "(autoscaling), not both")
     registered_models(options)     # --demo: the demo models, registered once for every replica
     return run_fleet(FleetOptions(
-        dataclasses.replace(options, demo=False), replicas=args.replicas,
+        dataclasses.replace(options, demo=False), replicas=args.replicas or FLEET_REPLICAS,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, address=args.address,
         cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
         models_per_replica=args.models_per_replica))
@@ -177,14 +182,15 @@ def _add_ray_arguments(group) -> None:
                        help="serve through Ray Serve: replicas that are each a whole mox "
                        "(with --device-memory each), requests routed to where their model is "
                        "warm; --host/--port are Ray's HTTP proxy")
-    group.add_argument("--replicas", type=count, default=2)
-    group.add_argument("--min-replicas", type=int,
+    group.add_argument("--replicas", type=count,
+                       help=f"a fixed count (default {FLEET_REPLICAS}; or autoscale below)")
+    group.add_argument("--min-replicas", type=whole,
                        help="autoscale between --min-replicas and --max-replicas")
-    group.add_argument("--max-replicas", type=int)
+    group.add_argument("--max-replicas", type=count)
     group.add_argument("--address", help="an existing Ray cluster (e.g. auto, or the head's "
                        "host:6379); default: start a local one")
-    group.add_argument("--cpus-per-replica", type=float, default=1.0)
-    group.add_argument("--gpus-per-replica", type=float, default=0.0)
+    group.add_argument("--cpus-per-replica", type=non_negative, default=1.0)
+    group.add_argument("--gpus-per-replica", type=non_negative, default=0.0)
     group.add_argument("--models-per-replica", type=count,
                        help="bound each replica's multiplexed set: Ray drops a model from a "
                        "full set to route a new one there, and mox parks it (default: no "

@@ -15,6 +15,14 @@ def count(text: str) -> int:
     return value
 
 
+def whole(text: str) -> int:
+    """An integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
 def positive(text: str) -> float:
     """A finite number above 0 (seconds, rates, means)."""
     value = float(text)

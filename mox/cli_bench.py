@@ -10,8 +10,9 @@ with smaller numbers.
 from __future__ import annotations
 
 import argparse
+import math
 
-from mox.cli_args import count, positive
+from mox.cli_args import count, non_negative, positive
 from mox.errors import InvalidRequestError
 from mox.kernels.quant import IMPORT_FORMATS
 
@@ -38,6 +39,8 @@ def parse_slo(text: str | list[str]) -> tuple[float, float]:
         except ValueError as e:
             raise InvalidRequestError(f"bad SLO {word!r}: {number!r} is not a number",
                                       param="slo") from e
+        if not (math.isfinite(values[key]) and values[key] > 0):
+            raise InvalidRequestError(f"bad SLO {word!r}: milliseconds above 0", param="slo")
     if set(values) != {"ttft", "tpot"}:
         raise InvalidRequestError("the SLO needs both ttft:MS and tpot:MS", param="slo")
     return values["ttft"], values["tpot"]
@@ -45,9 +48,11 @@ def parse_slo(text: str | list[str]) -> tuple[float, float]:
 
 def bench_config(args: argparse.Namespace):
     from mox.bench.loadtest.results_schema import SLO, BenchConfig
-    from mox.bench.loadtest.workload import LengthDistribution
+    from mox.bench.loadtest.workload import LengthDistribution, read_trace
 
     mode = QUICK if args.quick else FULL
+    if args.trace is not None:
+        read_trace(args.trace)          # a bad trace is refused before any model is built
     pick = lambda value, key: mode[key] if value is None else value
     prompt = list(mode["prompt"])
     output = list(mode["output"])
@@ -103,8 +108,9 @@ def add_bench_parser(sub) -> None:
                        help="model size (quick demo, full mid)")
     bench.add_argument("--arch", default="olmoe",
                        choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"))
-    bench.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of popularity")
-    bench.add_argument("--cv", type=float, default=2.0,
+    bench.add_argument("--alpha", type=non_negative, default=1.0,
+                       help="Zipf exponent of popularity")
+    bench.add_argument("--cv", type=positive, default=2.0,
                        help="coefficient of variation of inter-arrival gaps (1 = Poisson)")
     bench.add_argument("--rate", type=positive, help="total requests/s (quick 4, full 1.5)")
     bench.add_argument("--duration", type=positive, help="seconds of arrivals (quick 5, full 60)")
@@ -112,7 +118,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--output-tokens", type=positive, help="mean output length")
     bench.add_argument("--device-memory-fraction", type=float, default=0.25,
                        help="device budget: all dense bytes + this share of all expert bytes")
-    bench.add_argument("--routing-skew", type=float, nargs="+",
+    bench.add_argument("--routing-skew", type=non_negative, nargs="+",
                        help="one suite per value (0 = uniform; quick 0, full 0 1)")
     bench.add_argument("--trace", help="CSV with timestamp,model,input_tokens,output_tokens")
     bench.add_argument("--trace-speedup", type=positive, default=1.0)
@@ -128,7 +134,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--ray", action="store_true",
                        help="also run rate through `mox serve --ray`, the budget and the cores "
                        "split between --replicas replicas (pip install 'mox[ray]')")
-    bench.add_argument("--replicas", type=int, default=2, help="with --ray (default 2)")
+    bench.add_argument("--replicas", type=count, default=2, help="with --ray (default 2)")
     bench.add_argument("--models-per-replica", type=int, default=0,
                        help="with --ray: bound each replica's multiplexed set (default: `mox "
                             "serve --ray`'s, no bound)")

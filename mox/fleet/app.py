@@ -13,6 +13,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from mox.errors import MoxError
 from mox.fleet import require_ray
 from mox.registry import Registry
 from mox.serve import ServeOptions
@@ -36,6 +37,11 @@ class FleetOptions:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     models_per_replica: int | None = None   # None: no bound (below)
+
+    def __post_init__(self) -> None:
+        low, high = _replica_range(self)
+        if low > high:
+            raise MoxError(f"--min-replicas {low} is above --max-replicas {high}")
 
     @property
     def autoscaling(self) -> bool:
@@ -105,6 +111,12 @@ def run_fleet(options: FleetOptions) -> int:
 
     ray.init(address=options.address, namespace=NAMESPACE,
              include_dashboard=False, log_to_driver=True)
+    if options.address is None:
+        try:
+            _check_room(options, ray.cluster_resources())
+        except MoxError:
+            ray.shutdown()
+            raise
     serve.start(http_options={"host": options.serve.host, "port": options.serve.port})
     models = len(Registry(options.serve.home).list())
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
@@ -120,6 +132,20 @@ def run_fleet(options: FleetOptions) -> int:
     _kill_directory(APP_NAME)
     ray.shutdown()
     return 0
+
+
+def _check_room(options: FleetOptions, resources: dict[str, float]) -> None:
+    """A local cluster has no autoscaler: replicas its CPUs or GPUs cannot hold would wait
+    for resources for ever, so they are refused at once."""
+    low, _ = _replica_range(options)
+    for kind, per_replica in (("CPU", options.cpus_per_replica),
+                              ("GPU", options.gpus_per_replica)):
+        have = resources.get(kind, 0.0)
+        if low * per_replica > have:
+            flag = f"--{kind.lower()}s-per-replica"
+            raise MoxError(f"{low} replicas of {flag} {per_replica:g} need "
+                           f"{low * per_replica:g} {kind}s; this machine's Ray cluster has "
+                           f"{have:g}")
 
 
 def _kill_directory(app_name: str) -> None:

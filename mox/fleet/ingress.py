@@ -22,7 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from mox.fleet.directory import directory, merge_metrics
-from mox.fleet.messages import Exchange, ResponseHead, end_to_end, request_fields
+from mox.fleet.messages import (
+    REPLICA_HEADER,
+    Exchange,
+    ResponseHead,
+    end_to_end,
+    request_fields,
+)
+from mox.fleet.warmth import fleet_model_states
 from mox.server.errors import api_error
 from mox.server.sse import DONE, sse_event
 
@@ -65,7 +72,19 @@ class MoxIngress:
         model = fields.model if fields else ""
         if fields is not None and fields.stream:
             return await self._stream(exchange, model)
+        if request.method == "GET" and request.url.path.startswith("/v1/models"):
+            return await self._models(exchange)
         return await self._whole(exchange, model)
+
+    async def _models(self, exchange: Exchange) -> Response:
+        """A replica's model list (its API key check, its 404s), each state the fleet's."""
+        response = await self._whole(exchange, "")
+        if response.status_code != 200:
+            return response
+        reports = await self._directory.reports.remote()
+        headers = {k: v for k, v in response.headers.items() if k.lower() == REPLICA_HEADER}
+        return Response(fleet_model_states(response.body, reports), headers=headers,
+                        media_type="application/json")
 
     def _send(self, exchange: Exchange, model: str) -> DeploymentResponseGenerator:
         return self._replicas.options(stream=True, multiplexed_model_id=model).forward.remote(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+REPLICA_HEADER = "x-mox-replica"           # which replica answered (for operators and tests)
 # Headers that describe one connection, not the message: each hop sets its own.
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
                          "host", "date", "server", "upgrade", "te", "trailer"})

@@ -23,14 +23,13 @@ from ray import serve
 
 from mox.engine.threads import usable_cores
 from mox.fleet.directory import REPORT_PERIOD_S, directory
-from mox.fleet.messages import Exchange, ResponseHead, end_to_end
+from mox.fleet.messages import REPLICA_HEADER, Exchange, ResponseHead, end_to_end
 from mox.fleet.warmth import replica_report, warm_on_another
 from mox.messages import ModelState
 from mox.serve import RouterBackend, ServeOptions, start_serving
 from mox.server.app import METRICS
 
 log = logging.getLogger("mox.fleet")
-REPLICA_HEADER = "x-mox-replica"           # which replica answered (for operators and tests)
 
 
 class Held:

@@ -12,6 +12,7 @@ skips the dense load; every expert resident skips every read).
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -96,3 +97,16 @@ def rank(candidates: Sequence[Candidate], model: str) -> list[list[Hashable]]:
                    key=lambda i: (-score(candidates[i], model, candidates[i] is own),
                                   candidates[i].num_held))
     return [[candidates[i].replica] for i in order]
+
+
+def fleet_model_states(body: bytes, reports: dict[str, dict]) -> bytes:
+    """One replica's `/v1/models` (or `/v1/models/{model}`) answer with each model's state
+    as the fleet has it: `warm` where any replica reports its dense weights on. (A model is
+    cold on most replicas while warm on one, and the answering replica is any of them.)"""
+    answer = json.loads(body)
+    warm = {m for report in reports.values()
+            for m, warmth in report.get("warmth", {}).items() if warmth > 0.0}
+    for card in answer.get("data", [answer]):
+        if card.get("id") in warm:
+            card["state"] = "warm"
+    return json.dumps(answer).encode()

@@ -99,7 +99,8 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
 def test_slo_parsing():
     assert parse_slo(["ttft:500", "tpot:50"]) == (500.0, 50.0)
     assert parse_slo("tpot:5 ttft:7.5") == (7.5, 5.0)
-    for bad in ("ttft:500", "ttft:x tpot:1", "e2e:3 tpot:1"):
+    for bad in ("ttft:500", "ttft:x tpot:1", "e2e:3 tpot:1", "ttft:-5 tpot:100",
+                "ttft:0 tpot:0", "ttft:inf tpot:1"):
         with pytest.raises(InvalidRequestError):
             parse_slo(bad)
 

@@ -103,3 +103,15 @@ def test_trace_in_seconds_sorts_stably_and_rejects_bad_files(tmp_path):
     with pytest.raises(TraceError, match="bad2.csv:2"):
         TraceWorkload(_write_trace(tmp_path / "bad2.csv", [(1, "x", "many", 2)])
                       ).requests(["a"])
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(_write_trace(tmp_path / "empty.csv", []))
+
+
+def test_a_bad_trace_is_one_line_before_any_model_is_built(tmp_path, capsys):
+    from mox.cli import main
+
+    bad = _write_trace(tmp_path / "bad.csv", [(1, "x", "abc", 2)])
+    assert main(["bench", "--trace", bad, "--home", str(tmp_path / "home")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.csv:2" in err and "Traceback" not in err
+    assert not (tmp_path / "home").exists()

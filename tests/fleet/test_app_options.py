@@ -51,3 +51,43 @@ def test_a_set_bound_below_one_is_refused_before_ray_starts(capsys, tmp_path):
         main(["serve", "--ray", "--models-per-replica", "0", "--home", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--models-per-replica: must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-replicas", "3", "--max-replicas", "1"], "--min-replicas 3 is above --max-replicas 1"),
+    (["--replicas", "2", "--max-replicas", "3"], "not both"),
+])
+def test_replica_counts_that_disagree_are_one_clear_error(capsys, tmp_path, argv, message):
+    pytest.importorskip("ray")
+    from mox.cli import main
+
+    assert main(["serve", "--ray", "--home", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--min-replicas", "-1"), ("--max-replicas", "0"), ("--cpus-per-replica", "-1"),
+    ("--gpus-per-replica", "-1"),
+])
+def test_negative_fleet_sizes_are_a_usage_error(capsys, tmp_path, option, value):
+    from mox.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--ray", option, value, "--home", str(tmp_path)])
+    assert exit_.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"gpus_per_replica": 1.0}, "--gpus-per-replica 1 need 2 GPUs; this machine's Ray "
+                                "cluster has 0"),
+    ({"cpus_per_replica": 3.0}, "--cpus-per-replica 3 need 6 CPUs"),
+])
+def test_replicas_a_local_cluster_cannot_place_are_refused(fields, message):
+    from mox.errors import MoxError
+    from mox.fleet.app import _check_room
+
+    options = FleetOptions(ServeOptions(), replicas=2, **fields)
+    with pytest.raises(MoxError, match=message):
+        _check_room(options, {"CPU": 2.0})
+    _check_room(FleetOptions(ServeOptions(), replicas=2), {"CPU": 2.0})     # fits

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mox.demo import ensure_demo_models
-from mox.fleet.replica import REPLICA_HEADER
+from mox.fleet.messages import REPLICA_HEADER
 from mox.registry import Registry
 
 MODELS = ("olmoe-demo", "qwen2-moe-demo")
@@ -130,6 +130,8 @@ def test_a_models_requests_land_where_it_is_warm(fleet, client):
     client.completions.create(model=model, prompt="warm up", **GREEDY)
     warm_on = _wait_for(lambda: [r for r, rep in json.loads(_get(fleet, "/fleet")).items()
                                  if rep["warmth"].get(model, 0) > 0], "the model warm")
+    # whichever replica answers, the fleet's model list has it warm (as the reports do)
+    assert client.models.retrieve(model).model_extra["state"] == "warm"
     time.sleep(3.0)        # the routing stats reach the ingress's router (every second)
     before = _successes(fleet, model)
     missed_before = _warm_elsewhere(fleet, model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -9,6 +11,7 @@ from mox.fleet.messages import request_fields
 from mox.fleet.warmth import (
     QUEUE_PER_WARMTH,
     Candidate,
+    fleet_model_states,
     home,
     model_warmth,
     rank,
@@ -123,3 +126,15 @@ def test_the_routers_own_queue_count_is_fresher_than_the_report():
     candidates = [Candidate("warm", _report(0, a=1.0), queue=burst),
                   Candidate("idle", _report(0), queue=0)]
     assert rank(candidates, "a")[0] == ["idle"]
+
+
+def test_the_fleets_model_list_says_warm_where_any_replica_is():
+    answer = {"object": "list", "data": [{"id": "a", "state": "cold"},
+                                          {"id": "b", "state": "cold"},
+                                          {"id": "c", "state": "failed"}]}
+    reports = {"r1": {"warmth": {"a": 0.0, "b": 0.0}}, "r2": {"warmth": {"a": 0.75}}}
+    states = json.loads(fleet_model_states(json.dumps(answer).encode(), reports))
+    assert [c["state"] for c in states["data"]] == ["warm", "cold", "failed"]
+    one = json.loads(fleet_model_states(json.dumps({"id": "a", "state": "loading"}).encode(),
+                                        reports))
+    assert one == {"id": "a", "state": "warm"}
