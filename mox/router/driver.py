@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from mox.errors import InvalidRequestError
 from mox.messages import Request, RequestOutput
 from mox.router.timeline import Watchdog
 
@@ -61,6 +62,9 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if request.request_id in self._streams:      # it would take the other's outputs
+                raise InvalidRequestError(f"request id {request.request_id!r} is already "
+                                          "running")
             self._streams[request.request_id] = stream
         self._submit(lambda: self._add(request))
         finished = False

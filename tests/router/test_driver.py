@@ -8,7 +8,7 @@ import concurrent.futures
 import pytest
 
 from mox.engine import Engine
-from mox.errors import ModelNotFoundError
+from mox.errors import InvalidRequestError, ModelNotFoundError
 from mox.messages import FinishReason, Request
 from mox.router.driver import AsyncEngine
 from mox.sampling import SamplingParams
@@ -77,6 +77,23 @@ def test_bad_requests_reach_the_caller(hf_checkpoints):
 
     with pytest.raises(ModelNotFoundError, match="nope"):
         asyncio.run(main())
+    async_engine.shutdown()
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_runs_on(hf_checkpoints):
+    async_engine, _ = _async_engine(hf_checkpoints)
+
+    async def collect(request: Request) -> list[int]:
+        return [t async for out in async_engine.generate(request) for t in out.new_token_ids]
+
+    async def main():
+        first = asyncio.create_task(collect(Request("same", "olmoe", [1, 2, 3], GREEDY)))
+        await asyncio.sleep(0)                     # the first stream is registered
+        with pytest.raises(InvalidRequestError, match="already running"):
+            await collect(Request("same", "olmoe", [4, 5], GREEDY))
+        return await asyncio.wait_for(first, timeout=60)
+
+    assert len(asyncio.run(main())) == GREEDY.max_tokens
     async_engine.shutdown()
 
 
