@@ -28,6 +28,8 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from mox.errors import MoxError
+
 # Prompt token ids come from this range: above the demo tokenizer's special tokens and within
 # every preset's vocabulary (the demo tokenizer trains to ~670 tokens on its corpus).
 PROMPT_TOKEN_RANGE = (16, 512)
@@ -127,8 +129,9 @@ class SyntheticWorkload:
                 for i, ((t, model), p, o, s) in enumerate(zip(arrivals, prompts, outputs, seeds))]
 
 
-class TraceError(ValueError):
-    """The trace CSV is missing a column or has a value that is not a number or time."""
+class TraceError(MoxError):
+    """The trace CSV is missing a column, has a value that is not a number or time, or has
+    no rows."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ def read_trace(path: str) -> list[tuple[float, str, int, int]]:
                              int(float(row[columns["output_tokens"]]))))
             except ValueError as e:
                 raise TraceError(f"{path}:{line}: {e}") from e
+    if not rows:
+        raise TraceError(f"{path}: no requests (a header and no rows)")
     rows.sort(key=lambda r: r[0])
     return rows
 
