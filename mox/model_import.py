@@ -61,7 +61,9 @@ def verify_checkpoint(path: str, progress: Progress | None = None) -> VerifySumm
     for info in infos:
         tensor = read_tensor(info)
         if tensor.is_floating_point():
-            num_bad = int((~torch.isfinite(tensor)).sum())
+            # (torch has no isfinite for its 8-bit floats, FP8 checkpoints' weights)
+            wide = tensor.float() if tensor.element_size() == 1 else tensor
+            num_bad = int((~torch.isfinite(wide)).sum())
             if num_bad:
                 raise CheckpointError(info.file, f"tensor {info.name!r}: {num_bad} of "
                                       f"{tensor.numel()} values are NaN or infinite")

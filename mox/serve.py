@@ -47,6 +47,8 @@ class RouterBackend:
         self.created = {e.name: _unix(e.added) for e in entries}
         self._entries = {e.name: e for e in entries}     # as last read from the registry
         self._templates: dict[str, ChatTemplate] = {}
+        # a model whose files changed while it had requests: follow the registry again
+        self.switch_pending = False
         self.async_engine = AsyncEngine(router)
 
     def is_ready(self) -> bool:
@@ -81,20 +83,26 @@ class RouterBackend:
 
     def follow_registry(self, entries: list[ModelEntry]) -> None:
         """Serve exactly the registry's models (on the engine thread). A failed model whose
-        entry changed (`mox models add --replace`, `verify`) is opened again."""
+        entry changed (`mox models add --replace`, `verify`) is opened again; a model whose
+        files changed (`import`, `add --replace`) while it had requests switches once they
+        are done (`switch_pending`: the registry watcher calls again until then)."""
         wanted = {e.name: e for e in entries}
         seen, self._entries = self._entries, dict(wanted)
 
         def apply(router: Router) -> None:
+            pending = False
             for name in [n for n in router.models if n not in wanted]:
                 self.async_engine.deliver(router.remove_model(name))
+                self._templates.pop(name, None)
                 log.info("model %s removed", name)
             for name, entry in wanted.items():
                 served = router.models.get(name)
-                if served is not None and served.path != entry.path and (
-                        not router.has_requests(name)):
-                    router.remove_model(name)          # re-imported: serve the new files
-                    self._templates.pop(name, None)
+                if served is not None and served.path != entry.path:
+                    if router.has_requests(name):      # switched once they finish
+                        pending = True
+                    else:
+                        router.remove_model(name)      # re-imported: serve the new files
+                        self._templates.pop(name, None)
                 elif (served is not None and served.state == ModelState.FAILED
                       and seen.get(name) != entry):
                     served = router.reopen(name)
@@ -110,6 +118,7 @@ class RouterBackend:
                         log.info("model %s settings: %s", name, entry.settings)
                     except MoxError as e:
                         log.error("model %s keeps its settings: %s", name, e)
+            self.switch_pending = pending
 
         self.async_engine.call(apply)
 
@@ -206,7 +215,7 @@ async def _watch_registry(registry: Registry, backend: RouterBackend) -> None:
     while True:
         await asyncio.sleep(REGISTRY_CHECK_S)
         version = registry.version()
-        if version != seen:
+        if version != seen or backend.switch_pending:
             seen = version
             try:
                 backend.follow_registry(registry.list())

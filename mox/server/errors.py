@@ -22,6 +22,7 @@ from mox.errors import (
     RequestTimeoutError,
     ShuttingDownError,
 )
+from mox.sampling import NaNLogitsError
 from mox.server.responses import ErrorBody, ErrorDetail
 
 log = logging.getLogger("mox.server")
@@ -98,6 +99,8 @@ def http_error(exc: BaseException) -> HttpError:
         return api_error(503, str(exc), "service_unavailable_error", None, "request_timeout")
     if isinstance(exc, EngineFailureError):
         return api_error(500, str(exc), "server_error", None, "internal_error")
+    if isinstance(exc, NaNLogitsError):        # a known fault of the model, not a bug of mox
+        return api_error(500, str(exc), "server_error", None, "nan_logits")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return api_error(413, f"request body too large: {exc.text}", "invalid_request_error",
                       None, "request_too_large")

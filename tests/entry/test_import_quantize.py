@@ -30,6 +30,7 @@ def test_import_quantize_repacks_experts_quantized(home, demo_path, tmp_path, ca
         assert len({i.file for i in infos}) == 1
         assert all(a.end == b.offset for a, b in zip(infos, infos[1:]))
     assert os.path.isdir(demo_path)                         # the original stays
+    assert main(["models", "verify", "q", "--home", home]) == 0   # FP8 bytes checked too
     reference = dequantized_copy(after.path, str(tmp_path / "reference"))
     assert greedy(LLM(after.path, dtype="float32")) == greedy(LLM(reference,
                                                                     dtype="float32"))

@@ -20,6 +20,7 @@ import pytest
 from mox.errors import AdmissionError, ModelNotFoundError, ModelUnavailableError
 from mox.messages import FinishReason, ModelState, Request, RequestOutput
 from mox.router import Router, RouterConfig
+from mox.sampling import NaNLogitsError
 from mox.serve import RouterBackend
 from mox.server.app import create_app, start_server, stop_server
 from mox.server.backend import ModelInfo
@@ -50,7 +51,7 @@ class FakeBackend:
         self._tokenizer, self._template = tokenizer, template
         self.ready = True
         self.retry_after_s = 0.2
-        self.names = ("echo", "busy", "broken", "crash", "flaky", "dies", "slow")
+        self.names = ("echo", "busy", "broken", "crash", "flaky", "dies", "slow", "nan")
         self.abort_error: Exception | None = None
 
     def is_ready(self) -> bool:
@@ -77,6 +78,8 @@ class FakeBackend:
             raise AdmissionError("queue full", retry_after_s=self.retry_after_s)
         if request.model == "crash":
             raise RuntimeError("secret internals")
+        if request.model == "nan":
+            raise NaNLogitsError()
         if request.model == "slow":
             while self.abort_error is None:
                 yield RequestOutput(rid, [5], "a")

@@ -113,6 +113,7 @@ def test_admission_refusal_is_429_with_retry_after(fake, fake_backend, retry_aft
     ("broken", 503, "corrupt shard"),
     ("crash", 500, "internal server error"),           # a bug: nothing of it leaks
     ("dies", 500, "checkpoint vanished"),
+    ("nan", 500, "a damaged or badly converted checkpoint?)"),   # a known fault: said
 ])
 def test_backend_failures(fake, model, status, message):
     for path, body in [("/v1/completions", {"model": model, "prompt": "hi"}),

@@ -6,12 +6,14 @@ server's default."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 
 import pytest
 
+from mox import serve
 from mox.registry import Registry
 from mox.router import Router, RouterConfig
 from mox.serve import RouterBackend
@@ -99,3 +101,43 @@ def test_a_long_model_name_is_refused_without_being_reflected(live):
                                   {"model": "m" * 10_000, "prompt": "hi"})
     assert status == 400 and len(raw) < 500
     assert json.loads(raw)["error"]["param"] == "model"
+
+
+def test_a_model_busy_when_its_files_change_switches_once_idle(home, monkeypatch):
+    """`mox models import` or `add --replace` while the model runs: it keeps its files until
+    its requests are done, then the next look at the registry serves the new ones (the
+    change was once dropped until some other registry write)."""
+    registry = Registry(home)
+    entries = registry.list()
+    router = Router({e.name: e.path for e in entries},
+                    RouterConfig(device_memory=BUDGET, kv_memory=64 << 20, direct_io=False))
+    backend = RouterBackend(router, entries)
+    try:
+        old = registry.get(HEALTHY).path
+        new = old + "-copy"
+        shutil.copytree(old, new)
+        registry.add(HEALTHY, new, replace=True)
+        busy = {HEALTHY}
+        monkeypatch.setattr(router, "has_requests", lambda name: name in busy)
+        backend.follow_registry(registry.list())
+        assert wait_until(lambda: backend.switch_pending)
+        assert router.models[HEALTHY].path == old             # busy: not switched yet
+        busy.clear()
+        monkeypatch.setattr(serve, "REGISTRY_CHECK_S", 0.05)
+
+        async def watch_until_switched() -> bool:
+            # the registry file does not change again: the watcher looks because a switch waits
+            watcher = asyncio.create_task(serve._watch_registry(registry, backend))
+            try:
+                for _ in range(200):
+                    if router.models[HEALTHY].path == new:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+            finally:
+                watcher.cancel()
+
+        assert asyncio.run(watch_until_switched())
+        assert wait_until(lambda: not backend.switch_pending)
+    finally:
+        backend.shutdown()
