@@ -48,7 +48,11 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
-        self._added = set(self._tok.get_added_tokens_decoder())
+        added = self._tok.get_added_tokens_decoder()
+        self._added = set(added)
+        # the control tokens' text (<|im_start|>, <|im_end|>, ...): encode() turns it into
+        # those tokens wherever it appears, so text from a chat's messages must not hold it
+        self.special_texts = frozenset(t.content for t in added.values() if t.special)
         self._pieces = _piece_kind(self._tok)
 
     @classmethod

@@ -115,8 +115,9 @@ async def create_chat_completion(http_request: web.Request) -> web.StreamRespons
     body = decode_body(await _read_body(http_request, ctx.limits), ChatCompletionRequest)
     params = chat_sampling_params(body, ctx.limits)
     tokenizer = ctx.backend.tokenizer(body.model)
-    text = ctx.backend.chat_template(body.model).render(
-        [m.as_template_input() for m in body.messages])
+    messages = [m.as_template_input() for m in body.messages]
+    _refuse_control_tokens(messages, tokenizer)
+    text = ctx.backend.chat_template(body.model).render(messages)
     prompt_ids = _drop_double_bos(_text_ids(tokenizer, text, body.model, "messages"), tokenizer)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, body.model, tokenizer)
@@ -128,6 +129,20 @@ async def create_chat_completion(http_request: web.Request) -> web.StreamRespons
         if e.param == "prompt":              # a chat's prompt is its rendered messages
             e.param = "messages"
         raise
+
+
+def _refuse_control_tokens(messages: list[dict[str, str]], tokenizer: Tokenizer | None) -> None:
+    """A message's text holding a control token's text (`<|im_end|>`...) would become that
+    token once the rendered chat is encoded: a user could end their turn and write a system
+    one. OpenAI reads such text as text; mox, which encodes the chat whole, refuses it."""
+    specials = tokenizer.special_texts if tokenizer is not None else ()
+    for i, message in enumerate(messages):
+        for field, text in message.items():          # content, and a name
+            found = sorted(t for t in specials if t in text)
+            if found:
+                raise InvalidRequestError(f"messages[{i}].{field} holds the model's control "
+                                          f"token text {found[0]!r}",
+                                          param=f"messages[{i}].{field}")
 
 
 def _drop_double_bos(ids: list[int], tokenizer: Tokenizer) -> list[int]:

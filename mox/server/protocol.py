@@ -61,6 +61,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -118,6 +120,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat-template extensions: refused unless at these defaults, as above
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -167,7 +174,11 @@ def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_para
     for name in ("presence_penalty", "frequency_penalty"):
         _require(not getattr(body, name), f"{name} is not supported", name)
     _require(not body.logit_bias, "logit_bias is not supported", "logit_bias")
-    for name, default in _VLLM_DEFAULTS.items():
+    _require_defaults(body, _VLLM_DEFAULTS)
+
+
+def _require_defaults(body: msgspec.Struct, defaults: dict[str, object]) -> None:
+    for name, default in defaults.items():
         value = getattr(body, name)
         _require(value is None or value == default,
                  f"{name} is not supported (only its default, {default!r})", name)
@@ -177,7 +188,10 @@ def _check_common(body: _SamplingFields, max_tokens: int | None, max_tokens_para
 _VLLM_DEFAULTS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
                   "use_beam_search": False, "include_stop_str_in_output": False,
                   "prompt_logprobs": None, "guided_json": None, "guided_regex": None,
-                  "guided_choice": None, "guided_grammar": None}
+                  "guided_choice": None, "guided_grammar": None,
+                  "truncate_prompt_tokens": None, "skip_special_tokens": True}
+_VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False,
+                       "chat_template_kwargs": None, "documents": None}
 
 
 def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
@@ -218,6 +232,7 @@ def chat_sampling_params(body: ChatCompletionRequest,
     _require(not body.top_logprobs, "top_logprobs is not supported; logprobs=true reports the "
              "chosen token's log-probability", "top_logprobs")
     _require(not body.tools, "tools are not supported", "tools")
+    _require_defaults(body, _VLLM_CHAT_DEFAULTS)
     _require(body.tool_choice in (None, "none"), "tool_choice is not supported (tools are "
              "not)", "tool_choice")
     for i, message in enumerate(body.messages):

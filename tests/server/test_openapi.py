@@ -104,7 +104,9 @@ REFUSED = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "
            "suffix", "top_logprobs", "tools", "tool_choice", "response_format", "logprobs",
            "stream_options", "repetition_penalty", "min_p", "min_tokens", "use_beam_search",
            "include_stop_str_in_output", "prompt_logprobs", "guided_json", "guided_regex",
-           "guided_choice", "guided_grammar")
+           "guided_choice", "guided_grammar", "truncate_prompt_tokens", "skip_special_tokens",
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+           "documents")
 IN_RANGE = {"temperature": {"type": "number", "minimum": 0, "maximum": 2},
             "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
             "top_k": {"type": "integer", "minimum": 1, "maximum": 64},

@@ -123,6 +123,22 @@ def test_tool_use_is_refused_not_dropped(fields, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"documents": [{"text": "d"}]}, "documents"),
+    ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_vllm_chat_template_extensions_are_refused_unless_default(fields, param):
+    with pytest.raises(InvalidRequestError) as e:
+        chat_sampling_params(_chat(**fields))
+    assert e.value.param == param
+    assert chat_sampling_params(_chat(add_generation_prompt=True, skip_special_tokens=True,
+                                      continue_final_message=False)).max_tokens > 0
+
+
 def test_tool_choice_none_and_parallel_tool_calls_without_tools_are_accepted():
     params = chat_sampling_params(_chat(tool_choice="none", parallel_tool_calls=False))
     assert params.max_tokens == ServerLimits().default_max_tokens
