@@ -34,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise MoxError("give a checkpoint folder with --model, or --demo")
     for name, path in models.items():
         start = time.perf_counter()
-        llm = LLM(path, device=args.device, dtype=args.dtype)
+        llm = LLM(path, device=args.device, dtype=args.dtype, home=args.home)
         out = llm.generate(args.prompt, max_tokens=args.max_tokens,
                            temperature=args.temperature, top_p=args.top_p, seed=args.seed)[0]
         elapsed = time.perf_counter() - start

@@ -7,6 +7,7 @@ progress bar on stderr when it is a terminal; the other commands only read heade
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -70,16 +71,18 @@ def _settings_changes(args: argparse.Namespace) -> dict[str, object]:
 
 def _seconds(text: str) -> float:
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):           # (JSON has no infinity: it would read back null)
         raise InvalidRequestError(f"keep-alive must be seconds or 'default', not {text!r}",
-                                  param="keep_alive") from None
+                                  param="keep_alive")
+    return seconds
 
 
 def _add(args: argparse.Namespace) -> int:
-    settings = ModelSettings(**_settings_changes(args))
     entry = Registry(args.home).add(args.name, args.path, replace=args.replace,
-                                    settings=settings)
+                                    settings=_settings_changes(args))
     print(f"added {entry.name}: {entry.architecture}, {entry.num_experts} experts x "
           f"{entry.num_moe_layers} layers, {format_bytes(entry.expert_bytes)} experts + "
           f"{format_bytes(entry.dense_bytes)} dense ({entry.dtype}), from {entry.path}")

@@ -44,7 +44,8 @@ RequestOutput = CompletionOutput   # the name DESIGN.md's offline API uses
 
 
 class LLM:
-    """One model behind a router of its own. `expert_memory`: device bytes for its expert
+    """One model behind a router of its own. `model`: a checkpoint folder, or a name
+    registered in `home` (None: MOX_HOME). `expert_memory`: device bytes for its expert
     slots (None: every expert resident, loaded now); `host_memory`: a RAM cache of expert bytes
     between disk and device (None: on a GPU, the model's expert bytes up to half the
     machine's RAM; on a CPU off: the slots are RAM already); `policy`: any router policy (rate,
@@ -58,13 +59,13 @@ class LLM:
                  expert_memory: int | str | None = None, host_memory: int | str | None = None,
                  policy: str = "rate", prefetch: bool | None = None, direct_io: bool = True,
                  kv_memory: int | str = DEFAULT_KV_MEMORY, max_batched_tokens: int = 256,
-                 decode_steps: int = DEFAULT_DECODE_STEPS):
+                 decode_steps: int = DEFAULT_DECODE_STEPS, home: str | None = None):
         if policy not in ROUTER_POLICIES:
             raise InvalidRequestError(f"unknown policy {policy!r}; choose from "
                                       f"{ROUTER_POLICIES}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.checkpoint = Checkpoint(_checkpoint_path(model))
+        self.checkpoint = Checkpoint(_checkpoint_path(model, home))
         self.name = self.checkpoint.path
         host_bytes = parse_size(host_memory)
         if host_bytes is None and self.device.type == "cuda":
@@ -196,13 +197,13 @@ class LLM:
         return [list(p) for p in prompt_token_ids]
 
 
-def _checkpoint_path(model: str) -> str:
-    """A folder as given; otherwise a name registered in MOX_HOME's registry."""
+def _checkpoint_path(model: str, home: str | None) -> str:
+    """A folder as given; otherwise a name registered in `home`'s registry (None: MOX_HOME's)."""
     if os.path.isdir(model) or os.sep in model:
         return model
     from mox.registry import Registry
 
-    return Registry().get(model).path
+    return Registry(home).get(model).path
 
 
 def default_host_cache_bytes(ckpt: Checkpoint) -> int:

@@ -142,18 +142,21 @@ class Registry:
                                  "see `mox models list`")
 
     def add(self, name: str, path: str, replace: bool = False,
-            settings: ModelSettings | None = None) -> ModelEntry:
-        """Validate, then register. The checkpoint is read before taking the lock, so a slow
-        disk never blocks other registry users."""
+            settings: dict[str, object] | None = None) -> ModelEntry:
+        """Validate, then register, with `settings` (pin, priority, keep_alive_s) changed
+        from the defaults, or from a replaced entry's own: an operator's pin survives a
+        replace. The checkpoint is read before taking the lock, so a slow disk never blocks
+        other registry users."""
         validate_name(name)
-        facts = validate_checkpoint(path)
-        entry = ModelEntry(name=name, added=utc_now(), settings=settings or ModelSettings(),
-                           **msgspec.structs.asdict(facts))
+        facts = msgspec.structs.asdict(validate_checkpoint(path))
         with self.update() as models:
             if name in models and not replace:
                 raise InvalidRequestError(f"model {name!r} is already registered (at "
                                           f"{models[name].path}); remove it first or replace "
                                           "it", param="name")
+            base = models[name].settings if name in models else ModelSettings()
+            entry = ModelEntry(name=name, added=utc_now(), **facts,
+                               settings=msgspec.structs.replace(base, **(settings or {})))
             models[name] = entry
         return entry
 

@@ -173,3 +173,14 @@ def test_generate_from_two_threads_gives_each_its_own_outputs(llm):
 def test_a_device_mox_cannot_use_is_refused(demo_home, device):
     with pytest.raises(InvalidRequestError, match="device|cpu or cuda"):
         LLM(os.path.join(demo_home, "models", "olmoe-demo"), device=device)
+
+
+def test_a_registered_name_is_found_in_the_home_given(tmp_path, demo_home, capsys):
+    from mox.cli import main
+    from mox.registry import Registry
+
+    home = str(tmp_path / "home")
+    Registry(home).add("mine", os.path.join(demo_home, "models", "olmoe-demo"))
+    assert LLM("mine", home=home).checkpoint.path.endswith("olmoe-demo")
+    assert main(["generate", "Hi", "--model", "mine", "--max-tokens", "2", "--home", home]) == 0
+    assert "[mine] Hi" in capsys.readouterr().out

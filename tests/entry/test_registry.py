@@ -72,6 +72,18 @@ def test_add_list_show_rm_round_trip(capsys, home, demo_path):
         registry.remove("q2")
 
 
+def test_a_replaced_entry_keeps_its_settings_unless_given(capsys, home, demo_path, own_copy):
+    registry = Registry(home)
+    assert mox(capsys, "models", "add", "m", demo_path, "--home", home)[0] == 0
+    assert mox(capsys, "models", "set", "m", "--pin", "--keep-alive", "30", "--home",
+               home)[0] == 0
+    assert mox(capsys, "models", "add", "m", own_copy, "--replace", "--priority", "3",
+               "--home", home)[0] == 0
+    entry = registry.get("m")
+    assert entry.path == os.path.abspath(own_copy)
+    assert entry.settings == ModelSettings(pin=True, priority=3.0, keep_alive_s=30.0)
+
+
 def test_operator_settings_are_kept_shown_and_checked(capsys, home, demo_path):
     registry = Registry(home)
     assert mox(capsys, "models", "add", "q2", demo_path, "--priority", "2", "--home",
@@ -89,7 +101,8 @@ def test_operator_settings_are_kept_shown_and_checked(capsys, home, demo_path):
     assert registry.get("q2").settings == ModelSettings(priority=2.0)
     before = registry_bytes(home)
     for bad in (["--priority", "0"], ["--priority", "nan"], ["--keep-alive", "-1"],
-                ["--keep-alive", "soon"], []):
+                ["--keep-alive", "soon"], ["--keep-alive", "inf"], ["--keep-alive", "1e400"],
+                []):
         rc, _, err = mox(capsys, "models", "set", "q2", *bad, "--home", home)
         assert rc == 2 and err, bad
     assert registry_bytes(home) == before                  # refused changes write nothing
