@@ -113,6 +113,9 @@ def _tensors(ckpt: Checkpoint, chosen: set[str], fmt: WeightFormat
     for info in sorted(ckpt.tensors.values(), key=lambda i: (i.file, i.offset)):
         tensor = read_tensor(info)
         if info.name in chosen:
+            if not bool(torch.isfinite(tensor).all()):   # its scale would be NaN, silently
+                raise CheckpointError(info.file, f"tensor {info.name!r} holds NaN or infinite "
+                                      "values: it cannot be quantized")
             yield from _stored(info.name, tensor, fmt)
         else:
             yield info.name, tensor

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -132,3 +133,14 @@ def test_the_import_check_catches_a_changed_byte(hf_checkpoints, int8_copy):
     _rewrite(int8_copy, lambda t: t[name].view(-1)[7].add_(1))
     with pytest.raises(CheckpointError, match="down_proj.weight"):
         check_quantized(hf_checkpoints["olmoe"][0], int8_copy)
+
+
+def test_a_nan_expert_is_refused_not_quantized(hf_checkpoints, tmp_path):
+    src = str(tmp_path / "nan")
+    shutil.copytree(hf_checkpoints["olmoe"][0], src)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors[name].view(-1)[5] = float("nan")
+    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.*{name}.*NaN or infinite"):
+        quantize_checkpoint(src, str(tmp_path / "out"), INT8_PER_CHANNEL)
