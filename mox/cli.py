@@ -48,6 +48,10 @@ def _demo_build(args: argparse.Namespace) -> int:
     from mox.demo import DEMO_ARCHITECTURES, ensure_demo_models
 
     architectures = tuple(args.arch) if args.arch else DEMO_ARCHITECTURES
+    unknown = sorted(set(architectures) - set(DEMO_ARCHITECTURES))
+    if unknown:              # (checked here: the list lives beside torch, which --help skips)
+        raise MoxError(f"no demo of {', '.join(unknown)}; choose from "
+                       f"{', '.join(DEMO_ARCHITECTURES)}")
     models = ensure_demo_models(args.home, args.preset, args.routing_skew, architectures)
     for name, path in models.items():
         print(f"{name}\t{path}")
@@ -241,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--home")
     demo.add_argument("--preset", choices=("demo", "bench"), default="demo")
     demo.add_argument("--arch", action="append",
-                      choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
-                      help="build only these architectures (repeatable; default all)")
+                      help="build only these architectures (repeatable; default all eight: "
+                      "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v3, "
+                      "deepseek_v2, gpt_oss)")
     demo.add_argument("--routing-skew", type=float, default=0.0,
                       help="Zipf exponent of expert popularity (0 = uniform)")
     demo.set_defaults(func=_demo_build)

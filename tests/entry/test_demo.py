@@ -105,3 +105,13 @@ def test_cli_generates_on_every_demo(demo_home, capsys):
 def test_cli_reports_bad_checkpoint_without_traceback(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "Hello"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_demo_builds_any_of_its_architectures_and_names_the_choices(tmp_path, capsys):
+    from mox.cli import main
+
+    home = str(tmp_path / "home")
+    assert main(["demo", "--home", home, "--arch", "deepseek_v3"]) == 0
+    assert "deepseek-v3-demo" in capsys.readouterr().out
+    assert main(["demo", "--home", home, "--arch", "llama"]) == 2
+    assert "no demo of llama; choose from mixtral" in capsys.readouterr().err
