@@ -31,6 +31,7 @@ from mox.messages import FinishReason, Request, RequestOutput
 from mox.models import MoEDecoder
 from mox.models.decoder import new_kv_store
 from mox.models.kv_store import KVStore
+from mox.sampling import NaNLogitsError
 from mox.tokenizer import Tokenizer
 
 DEFAULT_BLOCK_SIZE = 16
@@ -292,6 +293,9 @@ class Engine:
 
     def _advance(self, live: _Live, sampled: SampledToken) -> RequestOutput:
         seq, token = live.seq, sampled.token_id
+        if sampled.nan:                 # its logits were NaN: it fails, its batch goes on
+            error = self._errors[seq.request_id] = NaNLogitsError()
+            return self._finish(live, FinishReason.ABORT, [], "", error=str(error))
         seq.output_token_ids.append(token)
         if sampled.logprob is not None:
             seq.output_logprobs.append(sampled.logprob)

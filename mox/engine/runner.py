@@ -20,7 +20,7 @@ from mox.models import MoEDecoder
 from mox.models.forward_batch import DecodeAhead, ForwardBatch, PaddedLayout
 from mox.models.kv_store import KVStore
 from mox.pager import ReadsPending
-from mox.sampling import NaNLogitsError, greedy_tokens, nan_at, sample
+from mox.sampling import NaNLogitsError, greedy_tokens, nan_rows, sample
 
 PAD_POSITION = 1 << 40      # a padding key's position: after every query, so always masked
 
@@ -30,6 +30,7 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprob: float | None
+    nan: bool = False       # the row's logits were NaN: the sequence fails, the batch goes on
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -151,7 +152,7 @@ class ModelRunner:
             for item in batch.sequences:
                 item.seq.num_computed_tokens += item.num_new_tokens
             sampled.append(self._sample(sampling, logits))
-            if (len(sampled) == steps or any(s.seq.params.is_stop_token(s.token_id)
+            if (len(sampled) == steps or any(s.nan or s.seq.params.is_stop_token(s.token_id)
                                              for s in sampled[-1]) or interrupt()):
                 return None
             return torch.tensor([s.token_id for s in sampled[-1]], device=logits.device)
@@ -161,19 +162,25 @@ class ModelRunner:
 
     @staticmethod
     def _sample(sampling: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
-        """A token for each sequence from its row of `logits [S, V]`."""
+        """A token for each sequence from its row of `logits [S, V]`; a row of NaN logits
+        gives a token marked `nan` (its sequence fails; the others' go on)."""
         # greedy rows in one argmax over the batch (one op, not one per sequence)
         greedy = (greedy_tokens(logits) if any(seq.params.is_greedy for seq in sampling)
                   else [])
-        if greedy and nan_at(logits, greedy):
-            raise NaNLogitsError()
+        nans = nan_rows(logits, greedy) if greedy else []
         out = []
         # (a row taken only where a sequence samples or wants logprobs: iterating the tensor
         # made a view per row, and greedy sampling at one sequence took 88 us, now 61)
         for i, seq in enumerate(sampling):
             params = seq.params
-            token = greedy[i] if params.is_greedy else sample(logits[i], params, seq.generator)
-            logprob = (float(torch.log_softmax(logits[i], dim=-1)[token]) if params.logprobs
-                       else None)
-            out.append(SampledToken(seq, token, logprob))
+            if params.is_greedy:
+                token, nan = greedy[i], nans[i]
+            else:
+                try:
+                    token, nan = sample(logits[i], params, seq.generator), False
+                except NaNLogitsError:
+                    token, nan = 0, True
+            logprob = (float(torch.log_softmax(logits[i], dim=-1)[token])
+                       if params.logprobs and not nan else None)
+            out.append(SampledToken(seq, token, logprob, nan))
         return out

@@ -258,3 +258,22 @@ def test_the_engine_steps_with_one_thread_fewer_while_reads_are_in_flight(monkey
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_sequence_with_nan_logits_fails_alone_and_its_batch_goes_on(hf_checkpoints):
+    """One prompt's token embeds as NaN: that sequence ends with the NaN error; the other,
+    in the same batch, gives the tokens it gives alone."""
+    engine, models = _engine(hf_checkpoints, names=("olmoe",))
+    model = models["olmoe"]
+    good = [5, 6, 8]
+    reference = _alone(model, good, 10)
+    poison = next(t for t in range(model.spec.vocab_size) if t not in good + reference)
+    bad = [5, 6, poison]
+    model.embed[poison] = float("nan")
+    engine.add_request(Request("bad", "olmoe", bad, GREEDY))
+    engine.add_request(Request("good", "olmoe", good, GREEDY))
+    outputs = _run(engine)
+    assert outputs["bad"][-1].finish_reason == FinishReason.ABORT
+    assert "NaN" in outputs["bad"][-1].error and "NaN" in str(engine.take_error("bad"))
+    assert _tokens(outputs["good"]) == reference
+    assert engine.kv_pool.used_bytes == 0

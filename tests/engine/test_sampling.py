@@ -3,7 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mox.engine.runner import ModelRunner
+from mox.engine.sequence import Sequence
 from mox.errors import InvalidRequestError
+from mox.messages import Request
 from mox.sampling import SamplingParams, greedy_tokens, sample
 
 
@@ -76,3 +79,17 @@ def test_greedy_rows_take_the_first_of_equal_maxima_and_nans_as_torch():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [float("nan"), 3.0, float("nan"), 0.0],
                            [-1.0, -1.0, -1.0, -1.0]])
     assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_nan_row_marks_only_its_sequence(temperature):
+    """A row of NaN logits fails its sequence; the batch's other rows are sampled as ever."""
+    params = SamplingParams(max_tokens=4, temperature=temperature, seed=1)
+    seqs = [Sequence(Request(f"r{i}", "m", [1], params), params.new_generator(
+        torch.device("cpu"))) for i in range(3)]
+    logits = torch.full((3, 8), -5.0)
+    logits[0, 3] = logits[2, 6] = 20.0            # sharp rows: any sampler picks these
+    logits[1, 2] = float("nan")
+    out = ModelRunner._sample(seqs, logits)
+    assert [s.nan for s in out] == [False, True, False]
+    assert [out[0].token_id, out[2].token_id] == [3, 6]
