@@ -62,16 +62,12 @@ def port(text: str) -> int:
 
 
 def device(text: str) -> str:
-    """cpu, or cuda / cuda:N where this machine has that GPU."""
-    import torch
+    """cpu, or cuda / cuda:N where this machine has that GPU (the router's own check)."""
+    from mox.errors import InvalidRequestError
+    from mox.router.served_model import resolve_device
 
     try:
-        parsed = torch.device(text)
-    except RuntimeError as e:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda, cuda:N)") from e
-    if parsed.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"mox runs on cpu or cuda, not {text!r}")
-    if parsed.type == "cuda" and (not torch.cuda.is_available()
-                                  or (parsed.index or 0) >= torch.cuda.device_count()):
-        raise argparse.ArgumentTypeError(f"no such CUDA device here: {text!r}")
+        resolve_device(text)
+    except InvalidRequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text

@@ -50,9 +50,11 @@ class Tokenizer:
         self.eos_token_id = self._token_id(config.get("eos_token"))
         added = self._tok.get_added_tokens_decoder()
         self._added = set(added)
-        # the control tokens' text (<|im_start|>, <|im_end|>, ...): encode() turns it into
-        # those tokens wherever it appears, so text from a chat's messages must not hold it
-        self.special_texts = frozenset(t.content for t in added.values() if t.special)
+        # the control tokens' text (<|im_start|>, <|im_end|>, ...), which encode() turns
+        # into those tokens wherever it appears: one pattern, one pass over a text
+        specials = sorted((t.content for t in added.values() if t.special), key=len,
+                          reverse=True)
+        self._control = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._pieces = _piece_kind(self._tok)
 
     @classmethod
@@ -64,6 +66,12 @@ class Tokenizer:
         if isinstance(token, dict):        # older configs store AddedToken dicts
             token = token.get("content")
         return self._tok.token_to_id(token) if isinstance(token, str) else None
+
+    def control_text(self, text: str) -> str | None:
+        """The first control token's text found in `text` (None: none): encoded, it would
+        become that token, so text from a chat's messages must not hold it."""
+        found = self._control.search(text) if self._control is not None else None
+        return found.group() if found else None
 
     @property
     def vocab_size(self) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from mox.bench.machine import describe
 from mox.bench.micro.quantized import AGREEMENT_PROMPTS, agreement_lines, agreement_row
 from mox.demo import (
     DEMO_ARCHITECTURES,
@@ -145,7 +146,7 @@ def measure(home: str, architectures: tuple[str, ...], steps: int, seed: int) ->
 def markdown(r: dict, argv: list[str]) -> str:
     lines = [f"# int8 experts vs bf16 on trained demo models\n\n"
              f"`python -m mox.bench.micro.trained_agreement {' '.join(argv)}`, "
-             f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {os.cpu_count()} CPUs. Each model "
+             f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {describe()}. Each model "
              f"trained {r['steps']} steps ({BATCH} x {SEQUENCE_TOKENS} tokens, AdamW "
              f"{LEARNING_RATE:g}, seed {r['seed']}) on a Markov chain over {CHAIN_TOKENS} ids "
              f"with successor probabilities {SUCCESSOR_PROBS.tolist()} (entropy "

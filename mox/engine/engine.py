@@ -299,12 +299,7 @@ class Engine:
         seq.output_token_ids.append(token)
         if sampled.logprob is not None:
             seq.output_logprobs.append(sampled.logprob)
-        reason = self._finish_reason(seq, token)
-        delta = ""
-        if live.detokenizer is not None:
-            delta = live.detokenizer.push([token], final=reason is not None)
-            if live.detokenizer.stopped:
-                reason = FinishReason.STOP
+        delta, reason = _text(live, [token], self._finish_reason(seq, token))
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
         if reason is not None:
             return self._finish(live, reason, [token], delta, logprobs)
@@ -322,11 +317,7 @@ class Engine:
         """The KV pool is the sequence's context limit: it ends as at the model's context,
         with the text its detokenizer held back (a split character, a possible stop string's
         start) flushed."""
-        reason, delta = FinishReason.LENGTH, ""
-        if live.detokenizer is not None:
-            delta = live.detokenizer.push([], final=True)
-            if live.detokenizer.stopped:
-                reason = FinishReason.STOP
+        delta, reason = _text(live, [], FinishReason.LENGTH)
         return self._finish(live, reason, [], delta)
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], delta: str,
@@ -337,6 +328,16 @@ class Engine:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self._live[seq.request_id]
         return RequestOutput(seq.request_id, tokens, delta, reason, logprobs, error)
+
+
+def _text(live: _Live, tokens: list[int], reason: FinishReason | None
+          ) -> tuple[str, FinishReason | None]:
+    """The text `tokens` complete (with what was held back, where `reason` ends the
+    sequence), and the reason it ends: STOP where a stop string turned up."""
+    if live.detokenizer is None:
+        return "", reason
+    delta = live.detokenizer.push(tokens, final=reason is not None)
+    return delta, FinishReason.STOP if live.detokenizer.stopped else reason
 
 
 def _token_ids(ids: Iterable[int], vocab_size: int) -> bool:

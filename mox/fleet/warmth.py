@@ -17,6 +17,8 @@ import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from mox.messages import ModelState
+
 # A wholly warm model is worth this many requests queued ahead on its replica: a cold start of
 # a bench model costs seconds of reads, a queued request about a second of decode.
 QUEUE_PER_WARMTH = 8.0
@@ -108,5 +110,5 @@ def fleet_model_states(body: bytes, reports: dict[str, dict]) -> bytes:
             for m, warmth in report.get("warmth", {}).items() if warmth > 0.0}
     for card in answer.get("data", [answer]):
         if card.get("id") in warm:
-            card["state"] = "warm"
+            card["state"] = ModelState.WARM.value
     return json.dumps(answer).encode()

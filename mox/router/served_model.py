@@ -144,8 +144,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise InvalidRequestError(f"not a device: {device!r} (cpu, cuda, cuda:N)") from e
     if resolved.type not in ("cpu", "cuda"):
         raise InvalidRequestError(f"mox runs on cpu or cuda, not {device!r}")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError(f"{device!r}: this machine has no CUDA device")
+    if resolved.type == "cuda" and (not torch.cuda.is_available()
+                                    or (resolved.index or 0) >= torch.cuda.device_count()):
+        raise InvalidRequestError(f"no such CUDA device here: {device!r}")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved

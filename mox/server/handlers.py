@@ -135,13 +135,14 @@ def _refuse_control_tokens(messages: list[dict[str, str]], tokenizer: Tokenizer 
     """A message's text holding a control token's text (`<|im_end|>`...) would become that
     token once the rendered chat is encoded: a user could end their turn and write a system
     one. OpenAI reads such text as text; mox, which encodes the chat whole, refuses it."""
-    specials = tokenizer.special_texts if tokenizer is not None else ()
+    if tokenizer is None:
+        return
     for i, message in enumerate(messages):
         for field, text in message.items():          # content, and a name
-            found = sorted(t for t in specials if t in text)
-            if found:
+            found = tokenizer.control_text(text)
+            if found is not None:
                 raise InvalidRequestError(f"messages[{i}].{field} holds the model's control "
-                                          f"token text {found[0]!r}",
+                                          f"token text {found!r}",
                                           param=f"messages[{i}].{field}")
 
 
