@@ -60,6 +60,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False                # report the log-probability of each chosen token
     extra_eos: tuple[int, ...] = field(default=(), repr=False)   # the model's eos ids
+    # The request parameter `max_tokens` came from, or None where it is a default: a prompt
+    # plus an asked-for `max_tokens` past the model's context is refused naming it (as
+    # vLLM's OpenAI server does); a default ends at the context instead ("length").
+    max_tokens_param: str | None = None
 
     def __post_init__(self) -> None:
         # one stop string or a list of them, as OpenAI's `stop` takes; lists of token ids

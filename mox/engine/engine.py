@@ -127,9 +127,16 @@ class Engine:
         if not _token_ids(request.params.stop_token_ids, spec.vocab_size):
             raise InvalidRequestError(f"stop_token_ids must be integers in "
                                       f"[0, {spec.vocab_size})", param="stop_token_ids")
-        if len(prompt) >= spec.max_position_embeddings:
+        context = spec.max_position_embeddings
+        if len(prompt) >= context:
             raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the model's context "
-                                      f"is {spec.max_position_embeddings}", param="prompt")
+                                      f"is {context}", param="prompt")
+        asked = request.params.max_tokens_param
+        if asked is not None and len(prompt) + request.params.max_tokens > context:
+            raise InvalidRequestError(
+                f"the prompt's {len(prompt)} tokens plus {asked}={request.params.max_tokens} "
+                f"exceed the model's context of {context} tokens; ask for at most "
+                f"{context - len(prompt)}", param=asked)
         needed = self.kv_pool.blocks_needed(len(prompt) + 1) * model.kv.block_nbytes
         if needed > self.kv_pool.budget_bytes:
             raise InvalidRequestError(f"prompt needs {needed} bytes of KV cache; the pool "

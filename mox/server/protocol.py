@@ -194,9 +194,10 @@ _VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": 
                        "chat_template_kwargs": None, "documents": None}
 
 
-def _params(body: _SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+def _params(body: _SamplingFields, max_tokens: int, logprobs: bool,
+            max_tokens_param: str | None) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, max_tokens_param=max_tokens_param,
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
@@ -218,7 +219,8 @@ def completion_sampling_params(body: CompletionRequest,
     _require(body.suffix is None, "suffix is not supported", "suffix")
     max_tokens = (min(DEFAULT_COMPLETION_MAX_TOKENS, limits.max_tokens_cap)
                   if body.max_tokens is None else body.max_tokens)
-    return _params(body, max_tokens, logprobs=body.logprobs is not None)
+    return _params(body, max_tokens, logprobs=body.logprobs is not None,
+                   max_tokens_param=None if body.max_tokens is None else "max_tokens")
 
 
 def chat_sampling_params(body: ChatCompletionRequest,
@@ -242,7 +244,7 @@ def chat_sampling_params(body: ChatCompletionRequest,
              "only response_format type 'text' is supported", "response_format")
     _require(len(body.messages) > 0, "messages must not be empty", "messages")
     return _params(body, limits.default_max_tokens if limit is None else limit,
-                   bool(body.logprobs))
+                   bool(body.logprobs), max_tokens_param=None if limit is None else limit_param)
 
 
 def completion_prompt(prompt: str | list[int | str | list[int]]) -> str | list[int]:

@@ -40,6 +40,10 @@ TOO_LONG = [1] * 4096       # the demo models' context is 4096 positions
     ("/v1/completions", {**GOOD, "prompt": TOO_LONG}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": TOO_LONG, "stream": True}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": [5000]}, 400, "prompt"),       # outside the vocab
+    # an asked-for limit past the context (4090 + 7 > 4096): refused, as vLLM does
+    ("/v1/completions", {**GOOD, "prompt": TOO_LONG[:-6], "max_tokens": 7}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 1}]},
      400, "messages[0].content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -51,10 +55,24 @@ def test_bad_requests_then_a_good_one(live, path, body, status, param):
     assert error["type"] == "invalid_request_error"
     if status == 404:
         assert error["code"] == "model_not_found"
-    if body is not None and isinstance(body, dict) and body.get("prompt") is TOO_LONG:
-        assert "context" in error["message"]
+    if isinstance(body, dict) and (body.get("prompt") is TOO_LONG
+                                   or param in ("max_tokens", "max_completion_tokens")):
+        assert "context of 4096" in error["message"] or "context is 4096" in error["message"]
     good_status, _, good = live.request("POST", "/v1/completions", GOOD)
     assert good_status == 200 and json.loads(good)["usage"]["completion_tokens"] >= 1
+
+
+def test_a_default_limit_ends_at_the_context(live):
+    """Without max_tokens the output runs to the context's end ("length"); an asked-for limit
+    that reaches the context exactly is served."""
+    prompt = TOO_LONG[:-6]                  # 4090 tokens: room for 6 more
+    for body in ({"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True},
+                 {"model": MODEL, "prompt": prompt, "ignore_eos": True}):   # default 16
+        status, _, raw = live.request("POST", "/v1/completions", body)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["usage"]["completion_tokens"] == 6
+        assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_oversize_body_is_413(live):
