@@ -126,6 +126,9 @@ class Registry:
 
     def __init__(self, home: str | None = None) -> None:
         self.home = os.path.abspath(home or default_home())
+        if os.path.exists(self.home) and not os.path.isdir(self.home):
+            raise RegistryError(f"{self.home}: not a directory (a mox home is a folder that "
+                                f"holds {REGISTRY_FILE} and {MODELS_DIR}/)")
         self.path = os.path.join(self.home, REGISTRY_FILE)
         self.models_dir = os.path.join(self.home, MODELS_DIR)
         self._lock_path = self.path + LOCK_SUFFIX

@@ -121,6 +121,17 @@ def test_home_from_environment(monkeypatch, capsys, home, demo_path):
     assert Registry().path == os.path.join(home, REGISTRY_FILE)
 
 
+def test_a_file_as_home_is_one_clear_error(capsys, tmp_path, demo_path):
+    not_a_folder = tmp_path / "home-file"
+    not_a_folder.write_text("")
+    for args in (("models", "list"), ("models", "add", "q2", demo_path)):
+        rc, _, err = mox(capsys, *args, "--home", str(not_a_folder))
+        assert rc == 2 and err.strip() == (f"mox: error: {not_a_folder}: not a directory (a "
+                                           f"mox home is a folder that holds registry.json "
+                                           f"and models/)")
+    assert not_a_folder.read_text() == ""
+
+
 @pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "a..b", "a\\b", "x" * 129,
                                   "/abs", "sp ace"])
 def test_invalid_names_refused(capsys, home, demo_path, name):
