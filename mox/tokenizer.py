@@ -60,7 +60,8 @@ class Tokenizer:
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str) -> Tokenizer | None:
         path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
-        return cls(path) if os.path.exists(path) else None
+        # (a dangling or looping symlink is a damaged checkpoint, not one without a tokenizer)
+        return cls(path) if os.path.lexists(path) else None
 
     def _token_id(self, token: str | dict | None) -> int | None:
         if isinstance(token, dict):        # older configs store AddedToken dicts

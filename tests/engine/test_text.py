@@ -7,6 +7,7 @@ import os
 import pytest
 
 from mox.engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
+from mox.loaders.errors import CheckpointError
 from mox.tokenizer import Tokenizer
 
 
@@ -39,3 +40,12 @@ def test_stop_string_spanning_tokens_is_found(tokenizer):
         if detok.stopped:
             break
     assert detok.stopped and emitted == text[:text.find(stop)]
+
+
+def test_a_dangling_tokenizer_link_is_a_damaged_checkpoint(tmp_path):
+    """A checkpoint without tokenizer.json serves token ids only; one whose tokenizer.json is
+    a dangling or looping link is damaged, and the error names the file."""
+    assert Tokenizer.from_checkpoint(str(tmp_path)) is None
+    (tmp_path / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_checkpoint(str(tmp_path))
