@@ -120,13 +120,17 @@ class MoxIngress:
 async def _events(responses: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
     """The stream's chunks; a replica that dies mid-stream ends it with an error event and
     [DONE]. A client that goes away cancels this, which cancels the replica's generation."""
+    ended = False
     try:
         async for chunk in responses:
             yield chunk
+        ended = True
     except REPLICA_LOST as e:
+        ended = True
         log.warning("replica lost mid-stream: %s", e)
         yield sse_event(_lost(e).body)
         yield DONE
     finally:
-        responses.cancel()
+        if not ended:     # (cancelling an ended stream leaves a future whose error no one reads)
+            responses.cancel()
 
