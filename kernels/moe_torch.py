@@ -35,6 +35,9 @@ GROUPED_MM_MIN_ACTIVE_FRACTION = 0.5
 # Int8 experts up to this many rows each go through torch's int8 weight-only GEMM; above it
 # dequantizing to bf16 then one GEMM wins (bench/results/quant_kernels.md).
 INT8PACK_MAX_ROWS_PER_EXPERT = 128
+INT8PACK_K_MULTIPLE = 16
+# grouped_mm needs every operand's row stride a multiple of 16 bytes
+GROUPED_MM_ALIGN_BYTES = 16
 
 
 @dataclass
@@ -62,8 +65,10 @@ class MoEWorkspace:
         return view
 
 
-def _has_grouped_mm(x: torch.Tensor) -> bool:
-    return hasattr(F, "grouped_mm") and x.device.type == "cpu"
+def _has_grouped_mm(x: torch.Tensor, experts: _Experts) -> bool:
+    align = GROUPED_MM_ALIGN_BYTES // x.element_size()
+    return (hasattr(F, "grouped_mm") and x.device.type == "cpu"
+            and x.shape[1] % align == 0 and experts.inter % align == 0)
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -117,7 +122,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if not _takes_int8pack(x, experts, num_rows, len(active)):
             return _dequantized(x, experts, topk_weights, topk_ids, slot_of, ws, out_dtype)
         down = _int8pack_experts(rows, experts, [(s, num_per_slot[s]) for s in active], ws)
-    elif (_has_grouped_mm(x) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
+    elif (_has_grouped_mm(x, experts) and len(active) >= GROUPED_MM_MIN_ACTIVE_FRACTION * (hi - lo)
             and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * max(len(active), 1)):
         # only the slot range in use: rows are sorted by slot, so its offsets line up
         row_slots = slots[order] if experts.has_bias else None                # [P']
@@ -196,7 +201,11 @@ def _takes_int8pack(x: torch.Tensor, experts: _Experts, num_rows: int,
     return (experts.scales.fmt == INT8_PER_CHANNEL and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and not experts.has_bias
             and experts.activation.kind == SILU and hasattr(torch, "_weight_int8pack_mm")
-            and num_rows <= INT8PACK_MAX_ROWS_PER_EXPERT * num_active)
+            and num_rows <= INT8PACK_MAX_ROWS_PER_EXPERT * num_active
+            # (torch 2.13's kernel reads past a row of two or more whose length is not a
+            # multiple of 16: the process died of SIGSEGV)
+            and experts.w13.shape[2] % INT8PACK_K_MULTIPLE == 0
+            and experts.inter % INT8PACK_K_MULTIPLE == 0)
 
 
 def _int8pack_experts(rows: torch.Tensor, experts: _Experts, runs: list[tuple[int, int]],

@@ -180,6 +180,22 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
+def test_int8_rows_torchs_int8_gemm_cannot_take_are_dequantized(monkeypatch):
+    """Rows whose length (hidden 200, inter 72) is not a multiple of 16: torch's int8 GEMM
+    read past them and killed the process (SIGSEGV) from two rows on."""
+    (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
+        INT8_PER_CHANNEL, 19, 200, 72, num_experts=8, num_slots=10, seed=3, num_missing=2)
+    want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
+    calls = []
+    original = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda *a: calls.append(1) or original(*a))
+    got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
+                    out_dtype=torch.float32)
+    assert not calls
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler to build the kernels")
 @pytest.mark.parametrize("fmt", [pytest.param(INT8_PER_CHANNEL, id="int8"),
                                  pytest.param(INT4_GROUP128, id="int4-g128"),
