@@ -161,8 +161,18 @@ def test_the_native_moe_block_over_quantized_pools_equals_fused_moe(fmt):
     assert out is not None and torch.equal(out, residual + want.bfloat16())
 
 
+@pytest.fixture
+def int8pack_calls(monkeypatch) -> list[int]:
+    """A 1 for every call of torch's int8 weight-only GEMM."""
+    calls: list[int] = []
+    original = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 @pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks it")
-def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
+def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch, int8pack_calls):
     hidden, inter = 128, 64
     (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
         INT8_PER_CHANNEL, 64, hidden, inter, num_experts=4, num_slots=6, seed=7,
@@ -170,29 +180,22 @@ def test_int8_prefill_rows_take_torchs_int8_gemm_and_match(monkeypatch):
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
     if NATIVE is not None:            # rows past the native kernel's limit (AVX2 has none)
         monkeypatch.setitem(native.MAX_ROWS_PER_EXPERT, NATIVE.isa, 16)
-    calls = []
-    original = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm",
-                        lambda *a: calls.append(1) or original(*a))
     got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
                     out_dtype=torch.float32)
-    assert calls, "int8 prefill rows did not take torch's int8 GEMM"
+    assert int8pack_calls, "int8 prefill rows did not take torch's int8 GEMM"
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
-def test_int8_rows_torchs_int8_gemm_cannot_take_are_dequantized(monkeypatch):
+@pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks it")
+def test_int8_rows_torchs_int8_gemm_cannot_take_are_dequantized(int8pack_calls):
     """Rows whose length (hidden 200, inter 72) is not a multiple of 16: torch's int8 GEMM
     read past them and killed the process (SIGSEGV) from two rows on."""
     (x, weights, ids, slot_of), (data13, data2, scales), (dq13, dq2) = _quantized_problem(
         INT8_PER_CHANNEL, 19, 200, 72, num_experts=8, num_slots=10, seed=3, num_missing=2)
     want = reference_fused_moe(x.bfloat16(), dq13, dq2, weights, ids, slot_of).float()
-    calls = []
-    original = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm",
-                        lambda *a: calls.append(1) or original(*a))
     got = fused_moe(x.bfloat16(), data13, data2, weights, ids, slot_of, scales=scales,
                     out_dtype=torch.float32)
-    assert not calls
+    assert not int8pack_calls
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
