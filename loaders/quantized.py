@@ -64,12 +64,11 @@ def parse_quantization(config: dict[str, Any], path: str) -> QuantSpec | None:
     method = q.get("quant_method")
     if method == FP8_METHOD:
         block = q.get("weight_block_size")
-        if q.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        if q.get("fmt", "e4m3") != "e4m3" or not _is_block(block):
             raise CheckpointError(path, "quant_method 'fp8': mox reads e4m3 weights with a "
-                                  f"weight_block_size [rows, cols]; got fmt {q.get('fmt')!r}, "
-                                  f"weight_block_size {block!r}")
-        return QuantSpec(method, WeightFormat(FP8, int(block[0]), int(block[1])),
-                         scale_suffix="weight_scale_inv")
+                                  "weight_block_size [rows, cols] of positive sizes; got fmt "
+                                  f"{q.get('fmt')!r}, weight_block_size {block!r}")
+        return QuantSpec(method, WeightFormat(FP8, *block), scale_suffix="weight_scale_inv")
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors(q, path)
     return None
@@ -100,22 +99,31 @@ def _weight_scheme(w: dict[str, Any], group: str, path: str) -> WeightFormat:
     if not w.get("symmetric", True):
         raise CheckpointError(path, f"{where}: asymmetric weights (a zero point) are not "
                               "supported")
-    if w.get("actorder") not in (None, False, "weight"):
+    # ("static" is compressed-tensors' alias of "weight": the groups stay in column order)
+    if w.get("actorder") not in (None, False, "weight", "static"):
         raise CheckpointError(path, f"{where}: actorder {w['actorder']!r} (groups in "
                               "weight_g_idx order) is not supported")
     if (kind, bits, strategy) == ("int", 8, "channel"):
         return WeightFormat(INT8)
-    if (kind, bits, strategy) == ("int", 4, "group") and int(w.get("group_size") or 0) > 0:
-        return WeightFormat(INT4, 1, int(w["group_size"]))
+    if (kind, bits, strategy) == ("int", 4, "group") and _is_size(w.get("group_size")):
+        return WeightFormat(INT4, 1, w["group_size"])
     if (kind, bits, strategy) == ("float", 8, "channel"):
         return WeightFormat(FP8)
-    if (kind, bits, strategy) == ("float", 8, "block") and len(w.get("block_structure")
-                                                               or ()) == 2:
-        rows, cols = w["block_structure"]
-        return WeightFormat(FP8, int(rows), int(cols))
+    if (kind, bits, strategy) == ("float", 8, "block") and _is_block(w.get("block_structure")):
+        return WeightFormat(FP8, *w["block_structure"])
     raise CheckpointError(path, f"{where}: weights of type {kind!r}, num_bits {bits!r}, "
                           f"strategy {strategy!r} are not supported; mox reads int8 per "
-                          "channel, int4 per group, fp8 per channel or block")
+                          "channel, int4 per group (a positive group_size), fp8 per channel or "
+                          "block (a block_structure of two positive sizes)")
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_block(value: object) -> bool:
+    """A block shape `[rows, cols]` of positive sizes."""
+    return isinstance(value, list) and len(value) == 2 and all(map(_is_size, value))
 
 
 def stored_weight(quant: QuantSpec | None, name: str, shape: tuple[int, ...],
@@ -125,14 +133,14 @@ def stored_weight(quant: QuantSpec | None, name: str, shape: tuple[int, ...],
     the format."""
     plain = lookup(name)
     if quant is None or not name.endswith(".weight") or len(shape) != 2:
-        return None if plain is None else StoredWeight(plain)
+        return None if plain is None else _plain(plain)
     base = name[:-len("weight")]
     scale, data = lookup(base + quant.scale_suffix), lookup(base + quant.data_suffix)
     if scale is None:
         if data is not None and data.dtype in _QUANTIZED_DTYPES:
             raise CheckpointError(data.file, f"quantized tensor {data.name!r} has no scale "
                                   f"tensor {base + quant.scale_suffix!r}")
-        return None if plain is None else StoredWeight(plain)
+        return None if plain is None else _plain(plain)
     if data is None:
         raise CheckpointError(scale.file, f"scale {scale.name!r} has no weight tensor "
                               f"{base + quant.data_suffix!r}")
@@ -149,6 +157,17 @@ def stored_weight(quant: QuantSpec | None, name: str, shape: tuple[int, ...],
                               f"{list(scale.shape)}; {fmt.describe()} of a [{rows}, {cols}] "
                               f"weight needs float{list(fmt.scale_shape(rows, cols))}")
     return StoredWeight(data, scale, fmt)
+
+
+def _plain(info: TensorInfo) -> StoredWeight:
+    """A weight stored as it is used: its values must be floats of 16 bits or more (int8 or
+    FP8 codes read as values, their scales ignored, generated noise)."""
+    if info.name.endswith(".weight") and (not info.dtype.is_floating_point
+                                          or info.dtype.itemsize == 1):
+        raise CheckpointError(info.file, f"tensor {info.name!r} is {info.dtype}: weights "
+                              "stored quantized need config.json's quantization_config "
+                              f"(quant_method one of {QUANT_METHODS}) and their scales")
+    return StoredWeight(info)
 
 
 def _as_stored(data: TensorInfo, fmt: WeightFormat) -> TensorInfo:

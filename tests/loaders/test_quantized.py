@@ -107,16 +107,50 @@ def test_a_missing_scale_names_its_weight(int8_copy):
     ({"num_bits": 3}, "num_bits 3"),
     ({"strategy": "tensor"}, "strategy 'tensor'"),
     ({"symmetric": False}, "asymmetric"),
-    ({"actorder": "group"}, "actorder 'group'")])
+    ({"actorder": "group"}, "actorder 'group'"),
+    ({"type": "float", "strategy": "block", "block_structure": [0, 128]}, "block_structure"),
+    ({"num_bits": 4, "strategy": "group", "group_size": -128}, "group_size")])
 def test_an_unsupported_scheme_is_refused(int8_copy, change, message):
-    path = os.path.join(int8_copy, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
-    with open(path, "w") as f:
-        json.dump(config, f)
+    _edit_quantization(int8_copy, lambda q: q["config_groups"]["group_0"]["weights"].update(
+        change))
     with pytest.raises(CheckpointError, match=rf"config\.json.*{message}"):
         Checkpoint(int8_copy)
+
+
+def test_static_activation_order_is_column_order(int8_copy):
+    """compressed-tensors' actorder "static" is its alias of "weight"."""
+    _edit_quantization(int8_copy, lambda q: q["config_groups"]["group_0"]["weights"].update(
+        actorder="static"))
+    assert Checkpoint(int8_copy).expert_format == INT8_PER_CHANNEL
+
+
+@pytest.mark.parametrize("block", [[0, 128], [-128, 128], ["128", 128], [128]])
+def test_a_bad_fp8_block_size_is_one_error_naming_the_config(int8_copy, block):
+    _edit_quantization(int8_copy, lambda q: (q.clear(), q.update(
+        quant_method="fp8", fmt="e4m3", weight_block_size=block)))
+    with pytest.raises(CheckpointError, match=r"config\.json.*weight_block_size.*positive"):
+        Checkpoint(int8_copy)
+
+
+def test_quantized_weights_without_a_quantization_config_are_refused(int8_copy):
+    """Their int8 codes read as values, their scales unread, generated noise."""
+    _edit_quantization(int8_copy, lambda q: q.clear())
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*experts\.0\.gate_proj"
+                                              r"\.weight' is torch\.int8.*quantization_config"):
+        Checkpoint(int8_copy)
+
+
+def _edit_quantization(checkpoint: str, edit) -> None:
+    """Rewrite config.json's quantization_config in place with `edit(config)` (an empty
+    one is dropped)."""
+    path = os.path.join(checkpoint, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    if not config["quantization_config"]:
+        del config["quantization_config"]
+    with open(path, "w") as f:
+        json.dump(config, f)
 
 
 def test_an_expert_mixing_formats_is_refused(hf_checkpoints, int8_copy):
