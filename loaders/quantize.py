@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +29,7 @@ from .errors import CheckpointError
 from .layout import expected_tensors, expert_tensors, is_fused, router_tensors
 from .quantized import COMPRESSED_TENSORS, FP8_METHOD, PACKED_FORMAT
 from .stream import read_tensor
-from .writer import SINGLE_FILE, write_json_atomic
+from .writer import SINGLE_FILE, copy_side_files, write_json_atomic
 
 EXPERTS, ALL_LINEARS = "experts", "all"
 EXPERT_TARGET = r"re:.*\.experts\.\d+\..*"
@@ -96,10 +95,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: WeightFormat, linears: str = EX
                               "intermediate sizes must be multiples of 8")
     chosen = _to_quantize(ckpt, linears)
     os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(ckpt.path):
-        path = os.path.join(ckpt.path, name)
-        if os.path.isfile(path) and not name.endswith(".safetensors") and name != INDEX_FILE:
-            shutil.copy2(path, os.path.join(dst, name))
+    copy_side_files(ckpt.path, dst)
     with open(os.path.join(ckpt.path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["quantization_config"] = quantization_config(fmt, linears)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 from collections.abc import Callable
 
@@ -21,7 +20,7 @@ from .checkpoint import INDEX_FILE, Checkpoint
 from .errors import CheckpointError
 from .layout import is_fused
 from .safetensors_format import DTYPE_NAMES, HEADER_LENGTH_BYTES, TensorInfo
-from .writer import SINGLE_FILE, plan_shards, write_json_atomic
+from .writer import SINGLE_FILE, copy_side_files, plan_shards, write_json_atomic
 
 ALIGNMENT = 4096
 COPY_CHUNK_BYTES = 64 << 20
@@ -65,11 +64,7 @@ def repack_expert_major(src: str, dst: str, max_shard_bytes: int = 4 << 30,
                               "each expert's parts are already contiguous ranges; serve the "
                               "checkpoint as it is")
     os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(ckpt.path):                  # config, tokenizer, generation config
-        if not name.endswith(".safetensors") and name != INDEX_FILE:
-            path = os.path.join(ckpt.path, name)
-            if os.path.isfile(path):
-                shutil.copy2(path, os.path.join(dst, name))
+    copy_side_files(ckpt.path, dst)
     units = expert_major_units(ckpt)
     # plan over whole units, so no expert straddles two shards
     unit_shards = plan_shards({str(i): sum(ckpt.tensors[n].nbytes for n in unit)

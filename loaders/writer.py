@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,21 @@ from safetensors.torch import save_file
 from .checkpoint import INDEX_FILE
 
 SINGLE_FILE = "model.safetensors"
+# Weights in formats mox does not read (PyTorch pickles, TF, Flax, GGUF, ONNX), which a whole
+# Hugging Face snapshot may carry beside its safetensors; an import's copy leaves them out
+# (Mixtral's `consolidated.*.pt` alone are ~93 GB).
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
+                         ".pkl", ".npz")
+
+
+def copy_side_files(src: str, dst: str) -> None:
+    """The files of checkpoint `src` other than its weights and their indexes (config,
+    tokenizer, generation config, chat template, licence) into `dst`."""
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith((".safetensors", ".index.json",
+                                                       *OTHER_WEIGHT_SUFFIXES)):
+            shutil.copy2(path, os.path.join(dst, name))
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
