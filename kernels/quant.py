@@ -34,6 +34,7 @@ INT4_OFFSET = 8
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
+E8M0_NAN = 0xFF          # the one E8M0 code that is no power of two
 
 
 @dataclass(frozen=True)

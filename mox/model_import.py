@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from mox.errors import CheckpointError
-from mox.kernels.quant import WeightFormat, quantize
+from mox.kernels.quant import E8M0_NAN, MXFP4, WeightFormat, quantize
 from mox.loaders import Checkpoint
 from mox.loaders.quantize import quantize_checkpoint
 from mox.loaders.repack import repack_expert_major
@@ -58,19 +58,29 @@ def verify_checkpoint(path: str, progress: Progress | None = None) -> VerifySumm
     file cut short after registering, fails here naming the file and tensor."""
     ckpt = Checkpoint(path)
     infos = sorted(ckpt.tensors.values(), key=lambda i: (i.file, i.offset))   # sequential
+    mxfp4 = ckpt.expert_format is not None and ckpt.expert_format.kind == MXFP4
     for info in infos:
         tensor = read_tensor(info)
-        if tensor.is_floating_point():
-            # (torch has no isfinite for its 8-bit floats, FP8 checkpoints' weights)
-            wide = tensor.float() if tensor.element_size() == 1 else tensor
-            num_bad = int((~torch.isfinite(wide)).sum())
-            if num_bad:
-                raise CheckpointError(info.file, f"tensor {info.name!r}: {num_bad} of "
-                                      f"{tensor.numel()} values are NaN or infinite")
+        num_bad = _non_finite(tensor, mxfp4_scales=mxfp4 and info.name.endswith("_scales"))
+        if num_bad:
+            raise CheckpointError(info.file, f"tensor {info.name!r}: {num_bad} of "
+                                  f"{tensor.numel()} values are NaN or infinite")
         if progress is not None:
             progress(info.nbytes)
     return VerifySummary(len(infos), sum(i.nbytes for i in infos),
                          len({i.file for i in infos}))
+
+
+def _non_finite(tensor: torch.Tensor, mxfp4_scales: bool) -> int:
+    """How many of the tensor's values are NaN or infinite (MXFP4's E8M0 scales: 0xFF is
+    NaN)."""
+    if mxfp4_scales and tensor.dtype == torch.uint8:
+        return int((tensor == E8M0_NAN).sum())
+    if not tensor.is_floating_point():
+        return 0
+    # (torch has no isfinite for its 8-bit floats, FP8 checkpoints' weights)
+    wide = tensor.float() if tensor.element_size() == 1 else tensor
+    return int((~torch.isfinite(wide)).sum())
 
 
 def check_same_tensors(src: str, dst: str, progress: Progress | None = None) -> None:

@@ -19,6 +19,7 @@ from mox.loaders import Checkpoint, CheckpointError, parse_config
 from mox.loaders.experts import DOWN_BIAS, DOWN_T, GATE_UP_BIAS, GATE_UP_T
 from mox.loaders.repack import repack_expert_major
 from mox.loaders.stream import read_tensor
+from mox.model_import import verify_checkpoint
 from tests.conftest import open_tiny
 
 LOGIT_ATOL = 1e-4
@@ -144,6 +145,19 @@ def test_mxfp4_paged_generation_equals_all_resident(mxfp4_checkpoint):
     assert _greedy(llm, prompt) == expected
     stats = llm.pager_stats()
     assert stats["misses"] > 0 and stats["evictions"] > 0 and stats["bytes_read_host"] > 0
+
+
+def test_verify_finds_a_nan_mxfp4_scale(mxfp4_checkpoint, tmp_path):
+    """E8M0's 0xFF is NaN: a damaged scale byte fails `verify`, naming its tensor."""
+    path = tmp_path / "damaged"
+    shutil.copytree(mxfp4_checkpoint[0], path)
+    verify_checkpoint(str(path))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name].view(-1)[5] = 0xFF
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}'.* 1 of \d+ values are NaN"):
+        verify_checkpoint(str(path))
 
 
 def test_mxfp4_needs_whole_blocks():
