@@ -27,9 +27,14 @@ DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -80,6 +85,10 @@ def read_header(path: str) -> dict[str, TensorInfo]:
 
 def _tensor_info(path: str, name: str, entry: object, data_start: int,
                  file_size: int) -> TensorInfo:
+    if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and (
+            entry["dtype"] not in DTYPES):
+        raise CheckpointError(path, f"tensor {name!r} has dtype {entry['dtype']!r}, which mox "
+                              f"does not read (it reads {', '.join(DTYPES)})")
     try:
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])

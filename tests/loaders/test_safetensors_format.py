@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from mox.loaders import CheckpointError, read_header
 from mox.loaders.stream import read_tensor
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8,
+          torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,6 +85,8 @@ def test_header_not_json(tmp_path):
     ("shape", {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 16]}, 64,
      "'w'.*does not hold"),
     ("dtype", {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}, 8,
+     "'w' has dtype 'Q4', which mox does not read"),
+    ("entry", {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}, 16,
      "corrupt header entry"),
 ])
 def test_bad_header_entries(tmp_path, name, entry, payload, problem):
