@@ -87,11 +87,20 @@ class Checkpoint:
 
 def _expert_format(ckpt: Checkpoint) -> WeightFormat | None:
     """The format every expert is stored in (None: plainly); mixed experts are refused."""
-    formats = {tensors.fmt for tensors in ckpt.experts.values()}
-    if len(formats) > 1:
-        raise CheckpointError(ckpt.path, "some experts are stored quantized and others not; "
-                              "mox pages a model's experts in one format")
-    return formats.pop() if formats else None
+    first: dict[WeightFormat | None, ExpertTensors] = {}     # an expert of each format
+    for tensors in ckpt.experts.values():
+        first.setdefault(tensors.fmt, tensors)
+    if len(first) > 1:
+        (a_fmt, a), (b_fmt, b) = list(first.items())[:2]
+        raise CheckpointError(a.infos[0].file, f"some experts are stored quantized and others "
+                              f"not ({a.infos[0].name!r} {_stored_as(a_fmt)}, "
+                              f"{b.infos[0].name!r} {_stored_as(b_fmt)}); mox pages a "
+                              "model's experts in one format")
+    return next(iter(first), None)
+
+
+def _stored_as(fmt: WeightFormat | None) -> str:
+    return "plainly" if fmt is None else f"as {fmt.describe()}"
 
 
 def _index_tensors(path: str) -> dict[str, TensorInfo]:

@@ -161,6 +161,21 @@ def test_an_expert_mixing_formats_is_refused(hf_checkpoints, int8_copy):
         Checkpoint(int8_copy)
 
 
+def test_experts_of_two_formats_are_refused_naming_one_of_each(hf_checkpoints, int8_copy):
+    prefix = "model.layers.1.mlp.experts.3"
+    plain = load_file(os.path.join(hf_checkpoints["olmoe"][0], "model.safetensors"))
+
+    def unquantize(tensors):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            name = f"{prefix}.{part}.weight"
+            tensors.pop(name + "_scale")
+            tensors[name] = plain[name]
+    path = _rewrite(int8_copy, unquantize)
+    with pytest.raises(CheckpointError, match=rf"{path}.*experts\.0\.gate_proj\.weight' as "
+                                              rf"int8.*experts\.3\.gate_proj\.weight' plainly"):
+        Checkpoint(int8_copy)
+
+
 def test_the_import_check_catches_a_changed_byte(hf_checkpoints, int8_copy):
     check_quantized(hf_checkpoints["olmoe"][0], int8_copy)
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
