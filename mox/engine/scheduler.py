@@ -36,6 +36,11 @@ Design note.
 - KV: a sequence gets the blocks its new tokens need before it is scheduled. When the pool is
   full, the newest running sequence (of any model) is preempted: its blocks are freed and it
   waits to be recomputed. A sequence that cannot fit even alone fails instead of looping.
+  After a preemption, until some sequence ends, a waiting one starts only if the free KV
+  holds it to its `max_tokens` (or nothing else runs): let back in as soon as its next chunk
+  fits, a preempted sequence recomputed its context only to be preempted again when the
+  pool refilled, and two long streams that could not both fit crawled for tens of seconds
+  recomputing each other's victim instead of running one after the other.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class Scheduler:
         # sequences that cannot grow even with every other sequence preempted: the KV pool is
         # their context limit, so the engine finishes them (reason "length")
         self.out_of_kv: list[Sequence] = []
+        self._preempted_since_an_end = False      # (the design note's KV paragraph)
 
     def add_model(self, name: str) -> None:
         self.queues[name] = _ModelQueue()
@@ -206,6 +212,8 @@ class Scheduler:
                and queue.waiting[0].arrival_time <= before):
             seq = queue.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._preempted_since_an_end and not self._fits_to_end(seq):
+                break
             if not self._reserve(seq, num_new, may_preempt=False):
                 break
             queue.waiting.popleft()
@@ -251,6 +259,14 @@ class Scheduler:
             self.preempt(victim)
         return True
 
+    def _fits_to_end(self, seq: Sequence) -> bool:
+        """Could `seq` run to its `max_tokens` in the free KV (or is nothing else running)?"""
+        if not any(q.running for q in self.queues.values()):
+            return True
+        tokens = seq.num_tokens + seq.params.max_tokens - seq.num_output_tokens
+        return self.kv_pool.can_allocate(
+            seq.model, self.kv_pool.blocks_needed(tokens) - len(seq.block_table))
+
     def _newest_running(self, exclude: Sequence) -> Sequence | None:
         """The preemption victim: newest running sequence not already in this step, nor in
         a step in flight (whose KV it is writing)."""
@@ -266,6 +282,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and put it back at the head of its queue (recompute)."""
         self.release(seq)
+        self._preempted_since_an_end = True
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -274,6 +291,7 @@ class Scheduler:
     def release(self, seq: Sequence, free_kv: bool = True) -> None:
         """Drop the sequence from its queue and return its blocks (`free_kv`; else its
         owner frees them later: a step in flight still writes them)."""
+        self._preempted_since_an_end = False
         queue = self.queues[seq.model]
         if seq in queue.running:
             queue.running.remove(seq)

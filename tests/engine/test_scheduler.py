@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mox.engine.kv_pool import KVPool
-from mox.engine.scheduler import Scheduler, SchedulerConfig
+from mox.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from mox.engine.sequence import Sequence
 from mox.messages import Request
 from mox.models.kv_store import KVStore
@@ -40,6 +40,13 @@ def _step(scheduler: Scheduler, step_s: dict[str, float]) -> str | None:
     batch = scheduler.schedule()
     if batch is None:
         return None
+    _step_batch(scheduler, batch)
+    scheduler.record_step(batch.model, step_s[batch.model])
+    return batch.model
+
+
+def _step_batch(scheduler: Scheduler, batch: Batch) -> None:
+    """The batch computed: its tokens sampled (7), its finished sequences released."""
     for s in batch.sequences:
         samples = s.samples
         s.seq.num_computed_tokens += s.num_new_tokens
@@ -47,8 +54,6 @@ def _step(scheduler: Scheduler, step_s: dict[str, float]) -> str | None:
             s.seq.output_token_ids.append(7)
             if s.seq.num_output_tokens >= s.seq.params.max_tokens:
                 scheduler.release(s.seq)
-    scheduler.record_step(batch.model, step_s[batch.model])
-    return batch.model
 
 
 def _run(scheduler: Scheduler, step_s: dict[str, float]) -> list[str]:
@@ -194,3 +199,29 @@ def test_steps_back_to_back_stop_at_max_tokens_and_wait_for_nothing_else():
     prompt = _add(scheduler, "a", 3.0)   # a prompt joins the batch: one step
     batch = scheduler.schedule()
     assert [s.seq for s in batch.sequences] == [seq, prompt] and batch.num_steps == 1
+
+
+def test_two_sequences_that_cannot_both_fit_run_one_after_the_other():
+    """A preempted sequence was let back in as soon as its next chunk fit, recomputed its
+    context, and was preempted again when the pool refilled: two long streams crawled,
+    recomputing, for tens of seconds. Now it waits for an end (here: the other's)."""
+    store = KVStore(1, 1, 4, torch.float32, torch.device("cpu"), 4)
+    pool = KVPool(16 * store.block_nbytes, block_size=4)          # 64 tokens
+    scheduler = Scheduler(SchedulerConfig(max_batched_tokens=4), pool)
+    pool.add_model("a", store)
+    scheduler.add_model("a")
+    scheduler.set_ready("a", True)
+    first, second = (_add(scheduler, "a", t, max_tokens=40) for t in (1.0, 2.0))  # 43 each
+    computed = 0
+    for _ in range(MAX_STEPS):
+        if not scheduler.has_work:
+            break
+        batch = scheduler.schedule()
+        computed += batch.num_tokens
+        _step_batch(scheduler, batch)
+    assert first.num_output_tokens == second.num_output_tokens == 40
+    assert first.num_preemptions == 0 and second.num_preemptions == 1
+    # each sequence's tokens once, and the victim's context once more
+    assert computed <= 2 * 43 + 32
+    pool.check_integrity()
+
