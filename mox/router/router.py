@@ -194,7 +194,8 @@ class Router:
         outputs = self._abort_requests_of(name, reason)
         if model.state == ModelState.LOADING:
             self._loader.drain()                              # let its load land first
-            self._install_landed()
+            # (with it may land another model's failed load, whose requests end here)
+            outputs += self._install_landed()
         if model.state == ModelState.WARM:
             self.park(model, "closed")
         if model.pool is not None:

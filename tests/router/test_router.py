@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import pytest
 
 from mox import LLM
-from mox.errors import AdmissionError, ModelUnavailableError, MoxError, RequestTimeoutError
+from mox.errors import (
+    AdmissionError,
+    CheckpointError,
+    ModelUnavailableError,
+    MoxError,
+    RequestTimeoutError,
+)
 from mox.messages import FinishReason, ModelSettings, ModelState, Request
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.router.memory_policy import TURN_S
@@ -363,6 +370,31 @@ def test_all_resident_loads_everything_and_never_evicts(hf_checkpoints):
         assert stats["evictions"] == 0 and stats["misses"] == 0
         assert stats["num_slots"] == 16
         assert router.models[model].num_loads == 1
+
+
+def test_removing_a_loading_model_ends_the_requests_of_a_load_that_failed_meanwhile(
+        hf_checkpoints, monkeypatch):
+    """Removing a loading model lets the loads queued with it land; b's failed there, and its
+    request had never heard (it waited for ever)."""
+    from mox.router import served_model
+    real, gate = served_model.load_weights, threading.Event()
+
+    def load_weights(model, *args):
+        if model.name == "b":
+            raise CheckpointError(model.path, "a read failed")
+        gate.wait(30)                       # a is still loading when it is removed
+        return real(model, *args)
+    monkeypatch.setattr(served_model, "load_weights", load_weights)
+    router = _router(hf_checkpoints, device_memory=None)        # room to load both at once
+    router.add_request(Request("ra", "a", [3, 4], _params(2)))
+    router.add_request(Request("rb", "b", [3, 4], _params(2)))
+    router.step()
+    assert [m.state for m in router.models.values()] == [ModelState.LOADING] * 2
+    gate.set()
+    ended = {out.request_id: out for out in router.remove_model("a")}
+    assert ended.keys() == {"ra", "rb"}
+    assert ended["rb"].finish_reason == FinishReason.ABORT and "a read failed" in ended["rb"].error
+    assert router.models["b"].state == ModelState.FAILED
 
 
 def test_a_broken_checkpoint_fails_only_its_model(hf_checkpoints, tmp_path):
