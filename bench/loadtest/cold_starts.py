@@ -17,8 +17,8 @@ waiter), parks by why.
 
 from __future__ import annotations
 
+import argparse
 import collections
-import sys
 
 import msgspec
 import numpy as np
@@ -89,4 +89,6 @@ def table(out: str) -> str:
 
 
 if __name__ == "__main__":
-    print(table(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", metavar="OUT", help="a `mox bench --out` folder")
+    print(table(parser.parse_args().out))

@@ -19,8 +19,8 @@ recorded before it was kept are skipped.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import msgspec
 
@@ -152,6 +152,11 @@ def ttft_table(out: str, n: int = 5) -> str:
 
 
 if __name__ == "__main__":
-    print(ttft_table(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", metavar="OUT", help="a `mox bench --out` folder")
+    parser.add_argument("slowest", nargs="?", type=int, default=5,
+                        help="how many of each policy's slowest first tokens (default 5)")
+    args = parser.parse_args()
+    print(ttft_table(args.out, args.slowest))
     print()
-    print(decode_table(sys.argv[1]))
+    print(decode_table(args.out))

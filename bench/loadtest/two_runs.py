@@ -7,8 +7,8 @@ measurement).
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 import msgspec
 
@@ -80,4 +80,6 @@ def compare(outs: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    print(compare(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("outs", nargs="+", metavar="OUT", help="a `mox bench --out` folder")
+    print(compare(parser.parse_args().outs))
