@@ -16,16 +16,22 @@ from mox.router.served_model import ServedModel
 
 class Residency:
     def __init__(self, models: dict[str, ServedModel], host_cache: HostCache | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], closing: list[ServedModel] | None = None) -> None:
         self.models = models            # the router's table (shared, not copied)
         self.host_cache = host_cache
         self.clock = clock
+        self.closing = [] if closing is None else closing   # removed, their loads in flight
 
     def used_bytes(self) -> int:
         """Dense weights of the models that hold them + every pool's allocated slots."""
         models = list(self.models.values())
         dense = sum(m.dense_nbytes for m in models if m.holds_device_memory)
-        return dense + sum(m.pool.allocated_bytes() for m in models if m.pool is not None)
+        return (dense + sum(m.pool.allocated_bytes() for m in models if m.pool is not None)
+                + self.closing_bytes())
+
+    def closing_bytes(self) -> int:
+        """What models removed while loading hold until their loads land."""
+        return sum(m.dense_nbytes + m.pool.allocated_bytes() for m in self.closing)
 
     def apply(self, slots: dict[str, int]) -> None:
         """Per-model slot counts: shrinks first (waiting out their in-flight loads, so the

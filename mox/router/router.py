@@ -91,10 +91,14 @@ class Router:
                              interrupt=self._interrupted)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)
         self.models: dict[str, ServedModel] = {}
+        # removed while their weights loaded: what they hold is freed when the load lands
+        # (the engine thread does not wait for it), and the plans leave it out meanwhile
+        self._closing: list[ServedModel] = []
         # predictive prefetch (next layer's experts, popular experts into grown pools)
         self.prefetch = (config.prefetch if config.prefetch is not None
                          else prefetch_by_default(self.device))
-        self.residency = Residency(self.models, self.pager.loader.host_cache, clock)
+        self.residency = Residency(self.models, self.pager.loader.host_cache, clock,
+                                   self._closing)
         self.admission = Admission(config.max_waiting_per_model, config.max_waiting,
                                    config.queue_timeout_s)
         self.timeline = Timeline(_open_step_log(config.step_log) if config.step_log else None)
@@ -143,7 +147,7 @@ class Router:
     def _unfit(self, name: str) -> str | None:
         """Why the budget can never run the model as it is set up, or None."""
         try:
-            self._check_fits(self._view(), name)
+            self._check_fits(self._view(whole_budget=True), name)
         except MoxError as e:
             return str(e)
         return None
@@ -183,8 +187,16 @@ class Router:
             self.replan()
 
     def remove_model(self, name: str) -> list[RequestOutput]:
-        """Stop serving the model: its requests abort, its memory is freed."""
-        outputs = self._close_model(name, ModelNotFoundError(f"model {name!r} was removed"))
+        """Stop serving the model: its requests abort, its memory is freed (a loading
+        model's once its load lands)."""
+        model = self.models.get(name) or self.served(name)
+        reason = ModelNotFoundError(f"model {name!r} was removed")
+        if model.state == ModelState.LOADING:
+            outputs = self._abort_requests_of(name, reason)
+            self.engine.remove_model(name)
+            self._closing.append(model)
+        else:
+            outputs = self._close_model(name, reason)
         del self.models[name]
         return outputs
 
@@ -401,6 +413,12 @@ class Router:
         landed = self._loader.take_landed()
         outputs = []
         for name, result in landed:
+            # (one load a model at a time, in order: the first closing one of a name is it)
+            closing = next((m for m in self._closing if m.name == name), None)
+            if closing is not None:
+                self._closing.remove(closing)
+                closing.pool.close()
+                continue
             model = self.models[name]
             failed = isinstance(result, BaseException)
             self.timeline.event(ModelEvent("failed" if failed else "landed", self.clock(), name))
@@ -518,10 +536,15 @@ class Router:
             self._begin_load(model, plan.preload.get(model.name, 0),
                              self.policy.streams_cold_starts and not model.settings.pin)
 
-    def _view(self) -> MemoryView:
+    def _view(self, whole_budget: bool = False) -> MemoryView:
         """The frozen view the memory policy plans from (mox.router.views); each busy model's
-        run size in it is kept as its turn's (it only rises until the model goes idle)."""
-        view = memory_view(self.models, self.config.device_memory, self.has_requests,
+        run size in it is kept as its turn's (it only rises until the model goes idle). Its
+        budget leaves out what removed models still hold while they load, unless
+        `whole_budget` (whether a model can ever run as it is set up)."""
+        budget = self.config.device_memory
+        if budget is not None and not whole_budget:
+            budget = max(0, budget - self.residency.closing_bytes())
+        view = memory_view(self.models, budget, self.has_requests,
                            self.admission.oldest_arrival, self.clock(), self.timeline.costs)
         for m in view.models:
             turn = m.has_work and m.holds_device_memory

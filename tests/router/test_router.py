@@ -372,10 +372,12 @@ def test_all_resident_loads_everything_and_never_evicts(hf_checkpoints):
         assert router.models[model].num_loads == 1
 
 
-def test_removing_a_loading_model_ends_the_requests_of_a_load_that_failed_meanwhile(
+def test_removing_a_loading_model_waits_for_nothing_and_frees_it_when_it_lands(
         hf_checkpoints, monkeypatch):
-    """Removing a loading model lets the loads queued with it land; b's failed there, and its
-    request had never heard (it waited for ever)."""
+    """Removing a loading model blocked the engine thread until the load landed (every other
+    model's streams paused meanwhile); now its requests end at once, what it holds counts
+    until its load lands and then goes, and a load that failed meanwhile still ends its own
+    requests."""
     from mox.router import served_model
     real, gate = served_model.load_weights, threading.Event()
 
@@ -390,11 +392,13 @@ def test_removing_a_loading_model_ends_the_requests_of_a_load_that_failed_meanwh
     router.add_request(Request("rb", "b", [3, 4], _params(2)))
     router.step()
     assert [m.state for m in router.models.values()] == [ModelState.LOADING] * 2
+    ended = router.remove_model("a")                # (a's load is held: it must not wait)
+    assert [(o.request_id, o.finish_reason) for o in ended] == [("ra", FinishReason.ABORT)]
+    assert "a" not in router.models and router.residency.closing_bytes() > 0
     gate.set()
-    ended = {out.request_id: out for out in router.remove_model("a")}
-    assert ended.keys() == {"ra", "rb"}
-    assert ended["rb"].finish_reason == FinishReason.ABORT and "a read failed" in ended["rb"].error
-    assert router.models["b"].state == ModelState.FAILED
+    outputs = _run(router, None, _finished(["rb"]))
+    assert "a read failed" in outputs["rb"][-1].error
+    assert router.residency.closing_bytes() == 0 and router.models["b"].state == ModelState.FAILED
 
 
 def test_a_broken_checkpoint_fails_only_its_model(hf_checkpoints, tmp_path):
