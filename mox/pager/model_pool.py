@@ -510,6 +510,7 @@ class ModelPool(PagedPool):
                     "bytes_read": s.bytes_read_disk + s.bytes_read_host,
                     "budget_bytes": pool.target_slots * pool.expert_nbytes,
                     "num_slots": pool.target_slots,
+                    "held_slots": pool.num_slots,       # allocated (drains or grows to the above)
                     "max_slots": self.max_slots,
                     "resident_bytes": pool.num_occupied * pool.expert_nbytes,
                     "expert_bytes": pool.expert_nbytes}

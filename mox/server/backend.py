@@ -51,7 +51,7 @@ class ServingBackend(Protocol):
         {"models": {name: {"state": "warm", "running": 1, "waiting": 0, "request_rate": 0.5,
                            "dense_resident": True, "planned_slots": 10,
                            "pager": {"hits", "misses", "bytes_read", "resident_bytes",
-                                     "num_slots", "evictions", "read_seconds",
+                                     "num_slots", "held_slots", "evictions", "read_seconds",
                                      "page_in_buckets", "page_in_counts"}}},
          "device_budget_bytes": int | None, "device_used_bytes": int}
       Any per-model key may be missing (a cold model has no "pager"); what is missing is not

@@ -66,7 +66,8 @@ _PAGER_COUNTERS = {
 }
 _PAGER_GAUGES = {
     "resident_bytes": ("mox:resident_expert_bytes", "Expert bytes resident on the device."),
-    "num_slots": ("mox:expert_slots", "Expert slots the model holds."),
+    "held_slots": ("mox:expert_slots", "Expert slots the model holds (it drains or grows to "
+                   "the planned count)."),
 }
 
 _DEVICE_GAUGES = {

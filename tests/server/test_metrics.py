@@ -11,7 +11,7 @@ SNAPSHOT = {
         "a": {"state": "warm", "running": 1, "waiting": 2, "request_rate": 0.5,
               "dense_resident": True, "planned_slots": 10,
               "pager": {"hits": 5, "misses": 2, "bytes_read": 1024, "resident_bytes": 2048,
-                        "num_slots": 10, "evictions": 3, "read_seconds": 0.0125,
+                        "num_slots": 10, "held_slots": 14, "evictions": 3, "read_seconds": 0.0125,
                         "prefetches": 4, "prefetch_hits": 3,
                         "page_in_buckets": (0.001, 0.01), "page_in_counts": [1, 2, 0]}},
         "b": {"state": "failed", "running": 0, "waiting": 0},      # no pager: not reported
@@ -43,7 +43,9 @@ def test_snapshot_becomes_gauges_and_counters():
     assert samples[("mox:expert_prefetches_total", a)] == 4
     assert samples[("mox:expert_prefetch_hits_total", a)] == 3
     assert samples[("mox:resident_expert_bytes", a)] == 2048
-    assert samples[("mox:expert_slots", a)] == 10
+    # the plan (a pool drains or grows to it) and what the pool holds now
+    assert samples[("mox:planned_expert_slots", a)] == 10
+    assert samples[("mox:expert_slots", a)] == 14
     assert ("mox:expert_hits_total", (("model", "b"),)) not in samples
     assert samples[("mox:model_state", (("model", "b"), ("state", "failed")))] == 1
     assert samples[("mox:model_state", (("model", "b"), ("state", "warm")))] == 0
