@@ -146,6 +146,13 @@ def _unix(iso: str) -> int:
         return int(time.time())
 
 
+def in_registration_order(entries: list[ModelEntry]) -> list[ModelEntry]:
+    """The registry lists models by name; they are served in the order they were added, so
+    where the budget cannot hold them all, the one refused is the last added, at start as
+    when added live (it had been the last by name, and a restart could fail another)."""
+    return sorted(entries, key=lambda e: (e.added, e.name))
+
+
 def registered_models(options: ServeOptions) -> Registry:
     registry = Registry(options.home)
     if options.demo:
@@ -179,7 +186,7 @@ async def start_serving(options: ServeOptions) -> Serving:
     """The registry's models behind the router, on options.host:options.port (0: any free
     port), following the registry. `mox serve` runs one; so does each Ray replica."""
     registry = registered_models(options)
-    entries = registry.list()
+    entries = in_registration_order(registry.list())
     router = Router({e.name: e.path for e in entries}, options.router,
                     settings={e.name: e.settings for e in entries})
     backend = RouterBackend(router, entries)
@@ -218,7 +225,7 @@ async def _watch_registry(registry: Registry, backend: RouterBackend) -> None:
         if version != seen or backend.switch_pending:
             seen = version
             try:
-                backend.follow_registry(registry.list())
+                backend.follow_registry(in_registration_order(registry.list()))
             except MoxError as e:        # a damaged registry: the models keep serving
                 log.error("registry not reloaded, serving the models as they were: %s", e)
             except Exception:  # noqa: BLE001 - a bug here must not stop serving

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from mox.cli import build_parser, router_config, server_limits
 from mox.errors import InvalidRequestError, MoxError
+from mox.registry import Registry
+from mox.serve import in_registration_order
 
 
 def test_serve_options_reach_the_router_config():
@@ -35,3 +38,16 @@ def test_a_cap_below_the_default_output_limit_lowers_the_default():
         limits("--max-tokens-cap", "100", "--default-max-tokens", "500")
     with pytest.raises(SystemExit):                 # argparse's usage error (test_cli_args)
         limits("--max-tokens-cap", "0")
+
+
+def test_models_are_served_in_the_order_they_were_added(home, demo_path):
+    """Where the budget cannot hold every model, the last added is refused: at start the
+    registry's by-name listing had made it the last by name, so a restart failed another."""
+    registry = Registry(home)
+    for name, added in (("zz-first", "2026-01-01T00:00:00+00:00"),
+                        ("aa-second", "2026-01-02T00:00:00+00:00")):
+        registry.add(name, demo_path)
+        with registry.update() as models:
+            models[name] = msgspec.structs.replace(models[name], added=added)
+    assert [e.name for e in registry.list()] == ["aa-second", "zz-first"]
+    assert [e.name for e in in_registration_order(registry.list())] == ["zz-first", "aa-second"]
