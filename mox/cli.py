@@ -72,6 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
                      "expert slots (device budget %s bytes)", args.host_memory,
                      tiered.device_memory)
     config = tiered
+    if config.policy == "all-resident" and config.device_memory is not None:
+        logging.warning("--policy all-resident holds every model whole: --device-memory %s is "
+                        "not a budget it keeps (its models may use more)", args.device_memory)
     options = ServeOptions(args.host, args.port, args.home, args.demo,
                            args.api_key or os.environ.get("MOX_API_KEY") or None, config,
                            server_limits(args))
