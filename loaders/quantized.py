@@ -31,7 +31,6 @@ FP8_METHOD, COMPRESSED_TENSORS = "fp8", "compressed-tensors"
 QUANT_METHODS = (FP8_METHOD, COMPRESSED_TENSORS)
 PACKED_FORMAT = "pack-quantized"
 _CT_FORMATS = ("int-quantized", "float-quantized", PACKED_FORMAT)
-_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ def stored_weight(quant: QuantSpec | None, name: str, shape: tuple[int, ...],
     base = name[:-len("weight")]
     scale, data = lookup(base + quant.scale_suffix), lookup(base + quant.data_suffix)
     if scale is None:
-        if data is not None and data.dtype in _QUANTIZED_DTYPES:
+        if data is not None and _holds_codes(data.dtype):
             raise CheckpointError(data.file, f"quantized tensor {data.name!r} has no scale "
                                   f"tensor {base + quant.scale_suffix!r}")
         return None if plain is None else _plain(plain)
@@ -159,11 +158,15 @@ def stored_weight(quant: QuantSpec | None, name: str, shape: tuple[int, ...],
     return StoredWeight(data, scale, fmt)
 
 
+def _holds_codes(dtype: torch.dtype) -> bool:
+    """Integers or 8-bit floats: quantized codes, which mean nothing without their scales."""
+    return not dtype.is_floating_point or dtype.itemsize == 1
+
+
 def _plain(info: TensorInfo) -> StoredWeight:
     """A weight stored as it is used: its values must be floats of 16 bits or more (int8 or
     FP8 codes read as values, their scales ignored, generated noise)."""
-    if info.name.endswith(".weight") and (not info.dtype.is_floating_point
-                                          or info.dtype.itemsize == 1):
+    if info.name.endswith(".weight") and _holds_codes(info.dtype):
         raise CheckpointError(info.file, f"tensor {info.name!r} is {info.dtype}: weights "
                               "stored quantized need config.json's quantization_config "
                               f"(quant_method one of {QUANT_METHODS}) and their scales")

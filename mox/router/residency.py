@@ -16,11 +16,13 @@ from mox.router.served_model import ServedModel
 
 class Residency:
     def __init__(self, models: dict[str, ServedModel], host_cache: HostCache | None,
-                 clock: Callable[[], float], closing: list[ServedModel] | None = None) -> None:
+                 clock: Callable[[], float]) -> None:
         self.models = models            # the router's table (shared, not copied)
         self.host_cache = host_cache
         self.clock = clock
-        self.closing = [] if closing is None else closing   # removed, their loads in flight
+        # removed while their weights loaded: what they hold is freed when the load lands
+        # (the router's thread does not wait for it), and the plans leave it out meanwhile
+        self.closing: list[ServedModel] = []
 
     def used_bytes(self) -> int:
         """Dense weights of the models that hold them + every pool's allocated slots."""

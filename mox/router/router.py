@@ -91,14 +91,10 @@ class Router:
                              interrupt=self._interrupted)
         self.policy: MemoryPolicy = make_memory_policy(config.policy)
         self.models: dict[str, ServedModel] = {}
-        # removed while their weights loaded: what they hold is freed when the load lands
-        # (the engine thread does not wait for it), and the plans leave it out meanwhile
-        self._closing: list[ServedModel] = []
         # predictive prefetch (next layer's experts, popular experts into grown pools)
         self.prefetch = (config.prefetch if config.prefetch is not None
                          else prefetch_by_default(self.device))
-        self.residency = Residency(self.models, self.pager.loader.host_cache, clock,
-                                   self._closing)
+        self.residency = Residency(self.models, self.pager.loader.host_cache, clock)
         self.admission = Admission(config.max_waiting_per_model, config.max_waiting,
                                    config.queue_timeout_s)
         self.timeline = Timeline(_open_step_log(config.step_log) if config.step_log else None)
@@ -194,7 +190,7 @@ class Router:
         if model.state == ModelState.LOADING:
             outputs = self._abort_requests_of(name, reason)
             self.engine.remove_model(name)
-            self._closing.append(model)
+            self.residency.closing.append(model)
         else:
             outputs = self._close_model(name, reason)
         del self.models[name]
@@ -414,9 +410,9 @@ class Router:
         outputs = []
         for name, result in landed:
             # (one load a model at a time, in order: the first closing one of a name is it)
-            closing = next((m for m in self._closing if m.name == name), None)
+            closing = next((m for m in self.residency.closing if m.name == name), None)
             if closing is not None:
-                self._closing.remove(closing)
+                self.residency.closing.remove(closing)
                 closing.pool.close()
                 continue
             model = self.models[name]
