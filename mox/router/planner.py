@@ -209,9 +209,9 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     """Pinned models whole; then the busy models' working sets (top_k each if those do not
-    fit), raised to their run floors one model at a time while they fit: first those that
-    hold their run floor now (a newcomer does not squeeze a model that runs well), then by
-    value."""
+    fit), raised to their run floors one model at a time while they fit: highest priority first,
+    then those that hold their run floor now (a newcomer does not squeeze a model that runs
+    well), then by value."""
     floors = {d.name: d.max_slots for d in demands if d.pinned}
     busy = [d for d in demands if d.has_work and not d.pinned]
     working = {d.name: d.working_set for d in busy}
@@ -223,8 +223,12 @@ def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     assert _nbytes(floors, demands) <= budget_bytes, (
         "the budget holds every expert of the pinned models and top_k of the busy ones; the "
         "router checks this")
-    for d in sorted(busy, key=lambda d: (d.current_slots >= d.run_floor, d.value_scale),
-                    reverse=True):
+    # the operator's priority ranks first: incumbency keeps a newcomer of the same priority
+    # from squeezing a model that runs well, but it must not keep a model the operator
+    # raised below its run size for ever (a busy model at priority 10 held 76 slots beside
+    # an equally busy one's 118 at priority 1 for a minute: the fifth sweep)
+    for d in sorted(busy, key=lambda d: (d.priority, d.current_slots >= d.run_floor,
+                                         d.value_scale), reverse=True):
         raised = floors | {d.name: max(floors[d.name], d.run_floor)}
         if _nbytes(raised, demands) <= budget_bytes:
             floors = raised

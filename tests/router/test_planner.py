@@ -82,6 +82,10 @@ def test_busy_models_get_their_run_size_as_a_floor_when_it_fits():
     plan = plan_slots([_demand("a", 0.1, run=12, current=12), _demand("b", 10.0, run=12)],
                       20 * NBYTES)
     assert plan.slots == {"a": 12, "b": 8}
+    # ... unless the newcomer has the higher priority: the operator's weight comes first
+    plan = plan_slots([_demand("a", 1.0, run=12, current=12),
+                       _demand("b", 1.0, run=12, current=8, priority=10.0)], 20 * NBYTES)
+    assert plan.slots["b"] >= 12 and plan.slots["a"] >= 4
 
 
 def test_slots_follow_the_rates():
