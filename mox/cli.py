@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from mox.cli_args import byte_size, count, device, non_negative, port, positive, whole
 from mox.cli_bench import add_bench_parser
 from mox.cli_models import add_models_parser
+from mox.console import INTERRUPTED
 from mox.errors import MoxError
 
 if TYPE_CHECKING:                  # the router imports torch: `mox --help` should not wait on it
@@ -19,7 +20,6 @@ if TYPE_CHECKING:                  # the router imports torch: `mox --help` shou
     from mox.server.limits import ServerLimits
 
 FLEET_REPLICAS = 2                 # `mox serve --ray` without a count
-INTERRUPTED = 130                  # the shell's status for a command ended by SIGINT (128 + 2)
 
 
 def _generate(args: argparse.Namespace) -> int:
