@@ -13,6 +13,7 @@ import argparse
 import math
 
 from mox.cli_args import count, non_negative, positive
+from mox.demo import DEMO_ARCHITECTURES
 from mox.errors import InvalidRequestError
 from mox.kernels.quant import IMPORT_FORMATS
 
@@ -106,8 +107,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--models", type=count, help="number of models (quick 4, full 12)")
     bench.add_argument("--preset", choices=("demo", "mid", "bench"),
                        help="model size (quick demo, full mid)")
-    bench.add_argument("--arch", default="olmoe",
-                       choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"))
+    bench.add_argument("--arch", default="olmoe", choices=DEMO_ARCHITECTURES)
     bench.add_argument("--alpha", type=non_negative, default=1.0,
                        help="Zipf exponent of popularity")
     bench.add_argument("--cv", type=positive, default=2.0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mox.cli import build_parser
+from mox.demo import DEMO_ARCHITECTURES
 from mox.errors import InvalidRequestError
 from mox.router import RouterConfig
 
@@ -50,6 +51,8 @@ def test_good_values_pass():
     args = build_parser().parse_args(["serve", "--max-body-size", "2MiB", "--shutdown-grace", "0"])
     assert args.max_body_size == 2 << 20 and args.shutdown_grace == 0
     assert build_parser().parse_args(["bench", "--models", "2", "--rate", "0.5"]).rate == 0.5
+    for arch in DEMO_ARCHITECTURES:         # the load test builds any demo architecture
+        assert build_parser().parse_args(["bench", "--arch", arch]).arch == arch
 
 
 @pytest.mark.parametrize("field, value", [
