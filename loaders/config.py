@@ -30,10 +30,37 @@ from .spec import (
     ModelSpec,
     RouterSpec,
 )
+from .spec_checks import check_spec
+from .windows import (
+    every_layer_window,
+    gpt_oss_windows,
+    qwen2_moe_windows,
+    qwen3_moe_windows,
+)
 
 # GLM4-MoE configs written before transformers moved it into `rope_parameters` rotate half of
 # each head; transformers assumes 0.5 when the field is absent, and so do we.
 GLM4_MOE_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+# What transformers assumes for a field config.json leaves out, where it differs by
+# architecture (a missing rope_theta read as 10000 gave a mixtral 4.3 of logit error; the
+# fallbacks in the parsers below are the values most architectures share).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "qwen2_moe": {"max_position_embeddings": 32768, "sliding_window": 4096,
+                  "max_window_layers": 28},
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "deepseek_v2": {"max_position_embeddings": 2048},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
+                "max_position_embeddings": 131072,
+                # under the older key, so that a config's own `rope_parameters` wins
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 4096}},
+}
 
 
 def load_spec(checkpoint_dir: str) -> ModelSpec:
@@ -50,24 +77,16 @@ def parse_config(config: dict[str, Any], path: str = "config.json") -> ModelSpec
     if parser is None:
         raise CheckpointError(path, f"unsupported model_type {model_type!r}; supported: "
                               f"{', '.join(sorted(_PARSERS))}")
+    config = {**ARCH_DEFAULTS.get(model_type, {}), **config}
     try:
         spec = parser(config, path)
-        _check_ranges(spec, path)
+        check_spec(spec, path)
     except KeyError as e:
         raise CheckpointError(path, f"config.json lacks required field {e.args[0]!r}") from e
     except (TypeError, ValueError, AttributeError, ArithmeticError, IndexError) as e:
         # a field of the wrong type or out of range (a string where a number goes, zero heads)
         raise CheckpointError(path, f"malformed config.json: {type(e).__name__}: {e}") from e
     return spec
-
-
-def _check_ranges(spec: ModelSpec, path: str) -> None:
-    """Values the parsers took as they are but no model can run with."""
-    if spec.num_layers < 1:
-        raise CheckpointError(path, f"num_hidden_layers must be at least 1, not {spec.num_layers}")
-    if not 1 <= spec.top_k <= spec.num_experts:
-        raise CheckpointError(path, f"num_experts_per_tok must be between 1 and the "
-                              f"{spec.num_experts} experts, not {spec.top_k}")
 
 
 def eos_token_ids(config: dict[str, Any], path: str) -> tuple[int, ...]:
@@ -79,10 +98,13 @@ def eos_token_ids(config: dict[str, Any], path: str) -> tuple[int, ...]:
     return ids
 
 
-def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = ()
+def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = (),
+            windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] | None = None
             ) -> dict[str, Any]:
     """Fields every architecture names alike. `quantizations`: the `quant_method`s this
-    architecture's parser handles; any other quantized checkpoint is refused here."""
+    architecture's parser handles; any other quantized checkpoint is refused here.
+    `windows`: its layers' sliding windows from the config (None: it has none, whatever
+    the config says, as its reference attends)."""
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(path, f"unsupported hidden_act {config['hidden_act']!r}")
     method = quantization_method(config)
@@ -104,8 +126,8 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
-        clip_qkv=config.get("clip_qkv"),
-        sliding_windows=_sliding_windows(config, num_layers),
+        clip_qkv=None,
+        sliding_windows=(None,) * num_layers if windows is None else windows(config, num_layers),
         top_k=config["num_experts_per_tok"],
         eos_token_ids=eos_ids,
         bos_token_id=config.get("bos_token_id"),
@@ -120,20 +142,9 @@ def quantization_method(config: dict[str, Any]) -> str | None:
     return str(quantization.get("quant_method", "unknown"))
 
 
-def _sliding_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types")
-    if layer_types:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if config.get("use_sliding_window") is False or not window:
-        return (None,) * num_layers
-    first = config.get("max_window_layers", 0) if "use_sliding_window" in config else 0
-    return tuple(window if i >= first else None for i in range(num_layers))
-
-
 def _mixtral(config: dict[str, Any], path: str) -> ModelSpec:
     num_layers = config["num_hidden_layers"]
-    common = _common(config, path)
+    common = _common(config, path, windows=every_layer_window)
     return ModelSpec(
         **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=False,
         o_bias=False, qk_norm=QK_NORM_NONE, num_experts=config["num_local_experts"],
@@ -151,7 +162,7 @@ def _qwen_moe_layers(config: dict[str, Any]) -> tuple[bool, ...]:
 
 
 def _qwen2_moe(config: dict[str, Any], path: str) -> ModelSpec:
-    common = _common(config, path)
+    common = _common(config, path, windows=qwen2_moe_windows)
     return ModelSpec(
         **common, rope=parse_rope(config, path, common["head_dim"]),
         qkv_bias=config.get("qkv_bias", True), o_bias=False, qk_norm=QK_NORM_NONE,
@@ -165,7 +176,7 @@ def _qwen2_moe(config: dict[str, Any], path: str) -> ModelSpec:
 
 def _qwen3_moe(config: dict[str, Any], path: str) -> ModelSpec:
     bias = config.get("attention_bias", False)
-    common = _common(config, path)
+    common = _common(config, path, windows=qwen3_moe_windows)
     return ModelSpec(
         **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
         o_bias=bias, qk_norm=QK_NORM_PER_HEAD,
@@ -179,7 +190,7 @@ def _qwen3_moe(config: dict[str, Any], path: str) -> ModelSpec:
 def _olmoe(config: dict[str, Any], path: str) -> ModelSpec:
     bias = config.get("attention_bias", False)
     num_layers = config["num_hidden_layers"]
-    common = _common(config, path)
+    common = {**_common(config, path), "clip_qkv": config.get("clip_qkv")}   # OLMoE's alone
     return ModelSpec(
         **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
         o_bias=bias, qk_norm=QK_NORM_FULL,
@@ -259,7 +270,7 @@ def _deepseek_v3(config: dict[str, Any], path: str) -> ModelSpec:
     method = config.get("topk_method", "noaux_tc")
     if method != "noaux_tc" or config.get("scoring_func", "sigmoid") != "sigmoid":
         raise CheckpointError(path, f"unsupported DeepSeek-V3 routing topk_method {method!r}, "
-                              f"scoring_func {config.get('scoring_func')!r}")
+                              f"scoring_func {config.get('scoring_func', 'sigmoid')!r}")
     return _deepseek(config, path, _sigmoid_router(config),
                      interleaved=config.get("rope_interleave", True),
                      norm_topk_prob=config.get("norm_topk_prob", True))
@@ -272,7 +283,7 @@ def _deepseek_v2(config: dict[str, Any], path: str) -> ModelSpec:
     scoring = {"greedy": ROUTING_SOFTMAX, "group_limited_greedy": ROUTING_SOFTMAX_GROUPED}
     if method not in scoring or config.get("scoring_func", "softmax") != "softmax":
         raise CheckpointError(path, f"unsupported DeepSeek-V2 routing topk_method {method!r}, "
-                              f"scoring_func {config.get('scoring_func')!r}")
+                              f"scoring_func {config.get('scoring_func', 'softmax')!r}")
     scaling = 1.0 if config.get("norm_topk_prob") else config.get("routed_scaling_factor", 1.0)
     router = RouterSpec(scoring[method], n_group=config.get("n_group") or 1,
                         topk_group=config.get("topk_group") or 1,
@@ -285,7 +296,7 @@ def _gpt_oss(config: dict[str, Any], path: str) -> ModelSpec:
     """Experts fused `[E, ...]` with biases (MXFP4 blocks and scales as published, kept MXFP4
     in the slots), clamped SwiGLU, a biased router, attention sinks, alternating sliding
     windows."""
-    common = _common(config, path, quantizations=(EXPERTS_MXFP4,))
+    common = _common(config, path, quantizations=(EXPERTS_MXFP4,), windows=gpt_oss_windows)
     storage = EXPERTS_MXFP4 if quantization_method(config) == EXPERTS_MXFP4 else EXPERTS_FUSED
     if storage == EXPERTS_MXFP4 and (config["hidden_size"] % MXFP4_BLOCK_VALUES
                                      or config["intermediate_size"] % MXFP4_BLOCK_VALUES):
