@@ -306,7 +306,11 @@ class Engine:
         seq.output_token_ids.append(token)
         if sampled.logprob is not None:
             seq.output_logprobs.append(sampled.logprob)
-        delta, reason = _text(live, [token], self._finish_reason(seq, token))
+        reason = self._finish_reason(seq, token)
+        # a stop token's own text is left out, as vLLM's detokenizer leaves it (its id stays
+        # in the output's token ids); an end-of-sequence token's text is empty anyway
+        shown = [] if reason == FinishReason.STOP else [token]
+        delta, reason = _text(live, shown, reason)
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
         if reason is not None:
             return self._finish(live, reason, [token], delta, logprobs)

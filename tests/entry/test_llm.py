@@ -45,6 +45,10 @@ def test_stop_token_ends_generation(llm):
     first = greedy.token_ids.index(stop_at)
     out = llm.generate("Hello", max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])[0]
     assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+    # its text leaves the stop token's out, as vLLM's does
+    before = "" if first == 0 else llm.generate("Hello", max_tokens=first, temperature=0.0,
+                                                ignore_eos=True)[0].text
+    assert out.text == before
 
 
 def test_stop_string_truncates_text(llm):
@@ -63,6 +67,10 @@ def test_eos_ends_generation_unless_ignored(llm, monkeypatch):
     monkeypatch.setattr(llm.engine.models[llm.name], "eos_token_ids", (eos,))
     out = llm.generate("Hello", max_tokens=8, temperature=0.0)[0]
     assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+    # its text leaves the stop token's out, as vLLM's does
+    before = "" if first == 0 else llm.generate("Hello", max_tokens=first, temperature=0.0,
+                                                ignore_eos=True)[0].text
+    assert out.text == before
     ignored = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]
     assert ignored.token_ids == greedy.token_ids and ignored.finish_reason == "length"
 
