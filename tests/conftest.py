@@ -124,3 +124,21 @@ def tiny_router(path: str, name: str = "olmoe", whole: bool | None = None, **con
     router = Router({name: path}, RouterConfig(**config))
     router.warm_up(name, whole)
     return router
+
+
+def byte_fallback_tokenizer(folder) -> str:
+    """A SentencePiece-style tokenizer.json in `folder` (Mistral's pipeline: "<0xNN>" pieces
+    for single bytes, U+2581 for a space, the first space stripped): 256 byte pieces after
+    <unk>, then "\u2581h" (257) and "i" (258). Returns its path."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581h": 257,
+             "i": 258}
+    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    path = os.path.join(folder, "tokenizer.json")
+    hf.save(path)
+    return path
+

@@ -1,10 +1,15 @@
 """Incremental detokenization and stop strings.
 
-Byte-level BPE tokens can split a UTF-8 character; decoding such a prefix yields U+FFFD. Text
-is emitted only up to a complete character, and the rest waits for the next token. Stop
-strings are searched in the text produced so far, so one spanning token boundaries is found;
-while streaming, the last (longest stop - 1) characters are held back, since they may turn
-out to be the start of a stop string that must not reach the client.
+Text is decoded over a window that starts at the last token already turned into text, and
+only the new tokens' part is taken from it (vLLM's offsets): a SentencePiece token decodes
+with its leading space only after another token, and decoding the whole output again at every
+token costs O(n^2). Byte-level BPE tokens can split a UTF-8 character; decoding such a window
+ends in U+FFFD, and it waits for the next token. Text once produced is never rewritten: where
+a later token turns earlier bytes invalid (a sampled byte-fallback `<0xNN>` after a character
+made of such bytes), the window's new part is taken by length, as vLLM takes it, rather than
+ending the output. Stop strings are searched in the text produced so far, so one spanning
+token boundaries is found; while streaming, the last (longest stop - 1) characters are held
+back, since they may turn out to be the start of a stop string that must not reach the client.
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.token_ids: list[int] = []
-        self.text = ""              # emitted so far (complete characters, before any stop)
+        self.decoded = ""           # every token's text so far (append-only)
+        self.text = ""              # emitted so far: a prefix of `decoded`, before any stop
         self.stopped = False
+        self._window = 0            # the window's first token: the last one already decoded
+        self._read = 0              # tokens up to here are in `decoded`
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; returns the newly complete text (empty while a character is split).
         `final`: the sequence ends here, so a split character is emitted as it decodes."""
         self.token_ids += token_ids
-        full = self.tokenizer.decode(self.token_ids)
-        if full.endswith(INCOMPLETE_CHAR) and not final:
-            full = full.rstrip(INCOMPLETE_CHAR)
+        self._decode(final)
+        full = self.decoded
         if self.stop:
             longest = max(len(s) for s in self.stop)
             search_from = max(0, len(self.text) - longest)
@@ -37,7 +44,17 @@ class IncrementalDetokenizer:
                 full, self.stopped = full[:min(hits)], True
             elif not final:
                 full = full[:max(len(self.text), len(full) - (longest - 1))]
-        if not full.startswith(self.text):      # a merge rewrote earlier text: emit nothing
-            return ""
         delta, self.text = full[len(self.text):], full
         return delta
+
+    def _decode(self, final: bool) -> None:
+        """Append the new tokens' text to `decoded`, unless it ends mid-character (and the
+        sequence goes on)."""
+        if self._read == len(self.token_ids):
+            return
+        before = self.tokenizer.decode(self.token_ids[self._window:self._read])
+        after = self.tokenizer.decode(self.token_ids[self._window:])
+        if after.endswith(INCOMPLETE_CHAR) and not final:
+            return
+        self.decoded += after[len(before):]
+        self._window, self._read = self._read, len(self.token_ids)

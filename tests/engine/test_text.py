@@ -9,6 +9,7 @@ import pytest
 from mox.engine.detokenizer import INCOMPLETE_CHAR, IncrementalDetokenizer
 from mox.loaders.errors import CheckpointError
 from mox.tokenizer import Tokenizer
+from tests.conftest import byte_fallback_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,20 @@ def test_stop_string_spanning_tokens_is_found(tokenizer):
         if detok.stopped:
             break
     assert detok.stopped and emitted == text[:text.find(stop)]
+
+
+def test_sentencepiece_text_streams_as_it_decodes_and_never_stalls(tmp_path):
+    tok = Tokenizer(byte_fallback_tokenizer(tmp_path))
+    stream = lambda ids: "".join(detok.push([t], final=i == len(ids) - 1)
+                                 for detok in [IncrementalDetokenizer(tok, stop=())]
+                                 for i, t in enumerate(ids))
+    hi = [257, 258]                          # "▁h", "i": its space only after a token
+    assert stream(hi * 3) == tok.decode(hi * 3) == "hi hi hi"
+    # a sampled byte turns the byte before it invalid: "I" (0x49) is out already, the decoder
+    # now reads both as U+FFFD; the text goes on after it (it had stopped for good)
+    ids = [1 + 0x49, 1 + 0xA4, *hi * 2]
+    assert tok.decode(ids) == "�� hi hi"
+    assert stream(ids) == "I� hi hi"
 
 
 def test_a_dangling_tokenizer_link_is_a_damaged_checkpoint(tmp_path):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models
 
 from mox.server.formatting import ChatFormat, CompletionFormat
 from mox.tokenizer import Tokenizer
+from tests.conftest import byte_fallback_tokenizer
 
 TEXT = "Ȥ héllo → ✓ 日本"
 
@@ -27,13 +26,7 @@ def test_a_byte_level_tokens_bytes_are_its_own(byte_level):
 
 
 def test_sentencepiece_byte_fallback_pieces_are_their_bytes(tmp_path):
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581h": 257,
-             "i": 258}
-    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
-    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(byte_fallback_tokenizer(tmp_path))
     assert tok.token_bytes(1 + 0xE2) == b"\xe2"
     assert tok.token_bytes(257) == b" h" and tok.token_bytes(258) == b"i"
 
