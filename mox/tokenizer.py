@@ -45,8 +45,6 @@ class Tokenizer:
             raise CheckpointError(path, f"cannot load tokenizer: {e}") from e
         config = read_json_object(os.path.join(os.path.dirname(path),
                                                TOKENIZER_CONFIG_FILE)) or {}
-        self.add_bos = bool(config.get("add_bos_token", False))
-        self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
         added = self._tok.get_added_tokens_decoder()
         self._added = set(added)
@@ -78,11 +76,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """`special_tokens`: what tokenizer.json's post-processor adds (a bos, for most), as
+        transformers' `tokenizer(text)` adds them (`add_bos_token` in tokenizer_config.json
+        changes nothing there either); a rendered chat holds its own, so it is encoded
+        without them, as by `apply_chat_template` and vLLM's chat."""
+        return self._tok.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

@@ -78,11 +78,12 @@ async def metrics(http_request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def _text_ids(tokenizer: Tokenizer | None, text: str, model: str, param: str) -> list[int]:
+def _text_ids(tokenizer: Tokenizer | None, text: str, model: str, param: str,
+              special_tokens: bool = True) -> list[int]:
     if tokenizer is None:
         raise InvalidRequestError(f"model {model!r} has no tokenizer; send token ids",
                                   param=param)
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, special_tokens)
 
 
 async def _read_body(http_request: web.Request, limits: ServerLimits) -> bytes:
@@ -118,7 +119,7 @@ async def create_chat_completion(http_request: web.Request) -> web.StreamRespons
     messages = [m.as_template_input() for m in body.messages]
     _refuse_control_tokens(messages, tokenizer)
     text = ctx.backend.chat_template(body.model).render(messages)
-    prompt_ids = _drop_double_bos(_text_ids(tokenizer, text, body.model, "messages"), tokenizer)
+    prompt_ids = _text_ids(tokenizer, text, body.model, "messages", special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, body.model, tokenizer)
     try:
@@ -144,12 +145,6 @@ def _refuse_control_tokens(messages: list[dict[str, str]], tokenizer: Tokenizer 
                 raise InvalidRequestError(f"messages[{i}].{field} holds the model's control "
                                           f"token text {found!r}",
                                           param=f"messages[{i}].{field}")
-
-
-def _drop_double_bos(ids: list[int], tokenizer: Tokenizer) -> list[int]:
-    """A template that writes bos itself, with a tokenizer that adds one too, would give two."""
-    bos = tokenizer.bos_token_id
-    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
 
 
 async def _respond(http_request: web.Request, ctx: ServerContext, request: Request,

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from mox.errors import InvalidRequestError
-from mox.server.chat_template import CHATML_TEMPLATE, ChatTemplate
+from mox.server.chat_template import ChatTemplate
 from mox.server.limits import ServerLimits
 from mox.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -202,7 +202,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_demo_checkpoint_template_is_chatml(demo_home):
     template = ChatTemplate.from_checkpoint(os.path.join(demo_home, "models", "olmoe-demo"))
-    assert template.eos_token == "<|endoftext|>"
+    assert template.special_tokens["eos_token"] == "<|endoftext|>"
     assert template.render(MESSAGES) == ("<|im_start|>system\nBe brief.<|im_end|>\n"
                                          "<|im_start|>user\nHi<|im_end|>\n"
                                          "<|im_start|>assistant\n")
@@ -226,11 +226,18 @@ def test_template_list_bos_and_raise_exception(tmp_path):
     assert e.value.param == "messages"
 
 
-def test_missing_template_is_chatml_and_a_broken_one_refuses_chat(tmp_path):
-    assert ChatTemplate.from_checkpoint(str(tmp_path)).source == CHATML_TEMPLATE
-    broken = ChatTemplate("{% for m in messages %}")
-    with pytest.raises(InvalidRequestError, match="invalid"):
+def test_a_missing_or_broken_template_refuses_chat_naming_why(tmp_path):
+    with pytest.raises(InvalidRequestError, match="no chat template .* use /v1/completions"):
+        ChatTemplate.from_checkpoint(str(tmp_path)).render(MESSAGES)
+    broken = ChatTemplate.from_checkpoint(_checkpoint_with(
+        tmp_path, {"chat_template": "{% for m in messages %}\n{{ m }"}))
+    with pytest.raises(InvalidRequestError, match=r"tokenizer_config.json\) is invalid: .* "
+                                                  r"\(line 2\)"):
         broken.render(MESSAGES)
+    unnamed = ChatTemplate.from_checkpoint(_checkpoint_with(
+        tmp_path, {"chat_template": [{"name": "tool_use", "template": "x"}]}))
+    with pytest.raises(InvalidRequestError, match=r"named \['tool_use'\] but none 'default'"):
+        unnamed.render(MESSAGES)
 
 
 def test_sandbox_refuses_unsafe_templates():
