@@ -17,6 +17,9 @@ from mox.demo import DEMO_ARCHITECTURES
 from mox.errors import InvalidRequestError
 from mox.kernels.quant import IMPORT_FORMATS
 
+# A trace replays whole unless --duration cuts it: its span and this much after its last
+# arrival (which a duration of exactly the span would drop).
+TRACE_TAIL_S = 1.0
 DEFAULT_POLICIES = ("rate", "lru", "model-swap", "all-resident")
 # Per mode: models, preset, request rate, duration, lengths (mean, cv, min, max), skews, SLO.
 QUICK = dict(num_models=4, preset="demo", rate=4.0, duration_s=5.0, prompt=(24, 0.5, 4, 64),
@@ -52,9 +55,12 @@ def bench_config(args: argparse.Namespace):
     from mox.bench.loadtest.workload import LengthDistribution, read_trace
 
     mode = QUICK if args.quick else FULL
-    if args.trace is not None:
-        read_trace(args.trace)          # a bad trace is refused before any model is built
     pick = lambda value, key: mode[key] if value is None else value
+    duration = pick(args.duration, "duration_s")
+    if args.trace is not None:
+        rows = read_trace(args.trace)   # a bad trace is refused before any model is built
+        if args.duration is None:       # the whole trace (its last arrival included)
+            duration = (rows[-1][0] - rows[0][0]) / args.trace_speedup + TRACE_TAIL_S
     prompt = list(mode["prompt"])
     output = list(mode["output"])
     if args.prompt_tokens is not None:
@@ -65,7 +71,7 @@ def bench_config(args: argparse.Namespace):
     return BenchConfig(
         quick=args.quick, preset=pick(args.preset, "preset"), architecture=args.arch,
         num_models=pick(args.models, "num_models"), alpha=args.alpha, cv=args.cv,
-        rate=pick(args.rate, "rate"), duration_s=pick(args.duration, "duration_s"),
+        rate=pick(args.rate, "rate"), duration_s=duration,
         prompt=LengthDistribution(*prompt), output=LengthDistribution(*output),
         device_memory_fraction=args.device_memory_fraction,
         routing_skews=pick(args.routing_skew, "routing_skews"), policies=args.policies,
@@ -120,7 +126,8 @@ def add_bench_parser(sub) -> None:
                        help="device budget: all dense bytes + this share of all expert bytes")
     bench.add_argument("--routing-skew", type=non_negative, nargs="+",
                        help="one suite per value (0 = uniform; quick 0, full 0 1)")
-    bench.add_argument("--trace", help="CSV with timestamp,model,input_tokens,output_tokens")
+    bench.add_argument("--trace", help="CSV with timestamp,model,input_tokens,output_tokens "
+                       "(replayed whole unless --duration is given)")
     bench.add_argument("--trace-speedup", type=positive, default=1.0)
     bench.add_argument("--slo", nargs="+", help="ttft:MS tpot:MS (quick ttft:1000 tpot:200, "
                        "full ttft:2000 tpot:250)")

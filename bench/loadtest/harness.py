@@ -18,6 +18,7 @@ the stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -117,11 +118,12 @@ class ServerProcess:
     def __init__(self, registry_home: str, policy: str, config: BenchConfig, budget: int,
                  log_path: str, replicas: int = 0) -> None:
         per_server = budget // max(1, replicas)
+        self.step_log = os.path.splitext(log_path)[0] + ".steps.jsonl"
         self.argv = [sys.executable, "-m", "mox.cli", "serve", "--home", registry_home,
                      "--port", str(_free_port() if replicas else 0), "--policy", policy,
                      "--device-memory", str(per_server), "--kv-memory", config.kv_memory,
                      # the per-step timeline (which model stepped, its ms, what it waited on)
-                     "--step-log", os.path.splitext(log_path)[0] + ".steps.jsonl"]
+                     "--step-log", self.step_log]
         if config.host_memory:
             self.argv += ["--host-memory", config.host_memory]
         if config.tpot_target:
@@ -139,6 +141,10 @@ class ServerProcess:
         self._serving = asyncio.Event()
 
     async def __aenter__(self) -> ServerProcess:
+        # the server appends to its step log: a log left by an earlier run into the same
+        # folder would be summarized as this run's
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.step_log)
         self._process = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)

@@ -25,7 +25,9 @@ def write_report(results: Results, out: str) -> list[str]:
     with open(paths[0], "wb") as f:
         f.write(msgspec.json.encode(results) + b"\n")
     plots = [p for suite in results.suites for p in plot_suite(suite, out)]
-    steps = step_table(os.path.join(out, "logs"))
+    steps = step_table(os.path.join(out, "logs"), [f"{suite.name}-{policy.policy}"
+                                                    for suite in results.suites
+                                                    for policy in suite.policies])
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(markdown(results, [os.path.basename(p) for p in plots]))
         if steps.count("\n") > 1:

@@ -1,6 +1,6 @@
 """Two `mox bench` runs of the same command side by side: every figure as "run 1 / run 2", the
 way the README reports the load test (the machine is shared and noisy, so one run is not a
-measurement).
+measurement). Latencies are over the requests that succeeded: "ok / sent" says how many.
 
     python -m mox.bench.loadtest.two_runs OUT1 OUT2
 """
@@ -16,12 +16,13 @@ from mox.bench.loadtest.results_schema import PolicyResult, Results, Suite
 
 GiB = 2**30
 
-# (header, figure of a policy's result, format)
+# (header, figure of a policy's result (None: none measured), format)
 COLUMNS = (
+    ("ok / sent", lambda p: f"{p.counts.ok} / {p.counts.requests}", "{}"),
     ("TTFT p50 s", lambda p: p.latency.ttft.p50, "{:.2f}"),
     ("TTFT p99 s", lambda p: p.latency.ttft.p99, "{:.1f}"),
-    ("TPOT p50 ms", lambda p: 1e3 * p.latency.tpot.p50, "{:.0f}"),
-    ("TPOT p99 ms", lambda p: 1e3 * p.latency.tpot.p99, "{:.0f}"),
+    ("TPOT p50 ms", lambda p: _ms(p.latency.tpot.p50), "{:.0f}"),
+    ("TPOT p99 ms", lambda p: _ms(p.latency.tpot.p99), "{:.0f}"),
     ("goodput req/s", lambda p: p.goodput_requests_per_s, "{:.2f}"),
     ("tok/s", lambda p: p.throughput_tokens_per_s, "{:.1f}"),
     ("read GiB", lambda p: p.pager.bytes_read / GiB, "{:.1f}"),
@@ -33,8 +34,13 @@ def load(out: str) -> Results:
         return msgspec.json.decode(f.read(), type=Results)
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
 def _cell(results: list[PolicyResult | None], figure, fmt: str) -> str:
-    return " / ".join("-" if p is None or p.error else fmt.format(figure(p)) for p in results)
+    values = [None if p is None or p.error else figure(p) for p in results]
+    return " / ".join("-" if v is None else fmt.format(v) for v in values)
 
 
 def policy_table(suites: list[Suite]) -> list[str]:

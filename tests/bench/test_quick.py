@@ -11,7 +11,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from mox.bench.loadtest.results_schema import SLO, PolicyResult, Results, Suite, Summary
+from mox.bench.loadtest.results_schema import (
+    SLO,
+    Counts,
+    PolicyResult,
+    Results,
+    Suite,
+    Summary,
+    Workload,
+)
 from mox.bench.loadtest.routing_stats import layer_statistics, lru_hit_rate, routing_statistics
 from mox.bench.loadtest.summaries import meets_slo, summary, targets
 from mox.cli import main
@@ -25,7 +33,7 @@ PAGE_CACHE_SLACK_PER_MODEL = 1 << 20        # readahead of the shards' header re
 def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     out = tmp_path / "out"
     code = main(["bench", "--quick", "--home", str(tmp_path / "home"), "--out", str(out),
-                 "--policies", "rate", "model-swap", "--duration", "3"])
+                 "--policies", "rate", "model-swap"])
     assert code == 0
     results = msgspec.json.decode((out / "results.json").read_bytes(), type=Results)
     assert results.config.quick and results.config.policies == ["rate", "model-swap"]
@@ -83,15 +91,16 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     from mox.bench.loadtest.two_runs import compare
 
     side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"
-    p50 = suite.policies[0].latency.ttft.p50
-    assert f"| rate | {p50:.2f} / {p50:.2f} |" in side_by_side
+    rate = suite.policies[0]
+    p50, sent = rate.latency.ttft.p50, f"{rate.counts.ok} / {rate.counts.requests}"
+    assert f"| rate | {sent} / {sent} | {p50:.2f} / {p50:.2f} |" in side_by_side
     renamed = out / "renamed"                  # a run whose only suite another run lacks
     renamed.mkdir()
     (renamed / "results.json").write_text(
         (out / "results.json").read_text().replace('"name":"uniform"', '"name":"skew1"'))
     mixed = compare([str(out), str(renamed)])
     assert "### uniform routing" in mixed and "### skew1 routing" in mixed
-    assert mixed.count("1 of the 2 runs") == 2 and f"| rate | {p50:.2f} |" in mixed
+    assert mixed.count("1 of the 2 runs") == 2 and f"| rate | {sent} | {p50:.2f} |" in mixed
     for plot in ("ttft-cdf", "tpot-cdf", "bytes-read", "resident-bytes", "request-rate"):
         assert os.path.getsize(out / f"uniform-{plot}.png") > 1000
 
@@ -140,6 +149,35 @@ def test_summary_goodput_rule_and_target_ratios():
     zero = {(t.figure, t.baseline): t for t in targets(
         [policy("rate", 1.0, 4.0, 0.1, 1), policy("model-swap", 4.0, 0.0, 0.1, 1)])}
     assert zero["goodput", "model-swap"].ratio == float("inf")
+    # a policy failing more than 1% of its requests meets no target: failing its slow
+    # requests would improve its latency figures, which count the ones that succeeded
+    failing = policy("rate", 1.0, 4.0, 0.1, 100)
+    failing.counts = Counts(100, 98, 2, 0, 98, 98)
+    found = {(t.figure, t.baseline): t for t in targets(
+        [failing, policy("model-swap", 4.0, 1.0, 0.05, 400)])}
+    assert found["goodput", "model-swap"].ratio == 4.0
+    assert not found["goodput", "model-swap"].met and not found["TTFT p99", "model-swap"].met
+
+
+def test_the_makespan_ends_with_the_last_request_failed_or_not():
+    from mox.bench.loadtest.loadgen import RequestResult
+    from mox.bench.loadtest.summaries import makespan
+
+    done = lambda **kw: RequestResult(index=0, model="a", arrival_s=0, sent_s=0,
+                                      num_prompt_tokens=1, max_tokens=1, cold=False, **kw)
+    assert makespan([done(ttft_s=0.1, e2e_s=1.0, ended_s=1.0),
+                     done(error="HTTP 503", ended_s=5.0)]) == 5.0
+
+
+def test_two_runs_shows_counts_and_a_missing_figure_as_a_dash():
+    from mox.bench.loadtest.results_schema import Latency, Pager
+    from mox.bench.loadtest.two_runs import policy_table
+
+    empty = PolicyResult(policy="rate", counts=Counts(3, 0, 3, 0, 0, 0),
+                         latency=Latency(*[Summary(0)] * 6), pager=Pager(0, 0, None, 0, 0))
+    suite = Suite("uniform", 0.0, ["a"], 0, 0, 0, Workload(3, 1.0, 8, 8, {}), None, [empty], [])
+    row = policy_table([suite, suite])[2]
+    assert row.startswith("| rate | 0 / 3 / 0 / 3 | - / - |")
 
 
 def test_a_ray_runs_targets_compare_with_rate_in_one_process():
@@ -221,6 +259,10 @@ def test_step_summary_reads_a_step_log(tmp_path):
     assert s.read_mib == 11
     assert s.models_per_10s == 1.5                      # a alone, then b and c
     assert "| uniform-rate | 4 |" in table(str(tmp_path))
+    # a report names its run's logs: one an earlier run left in the folder is not its own
+    (tmp_path / "uniform-lru.steps.jsonl").write_bytes(path.read_bytes())
+    assert "uniform-lru" in table(str(tmp_path))
+    assert "uniform-lru" not in table(str(tmp_path), ["uniform-rate"])
 
 
 def test_a_quantized_suite_serves_quantized_copies_at_the_bf16_budget(tmp_path):

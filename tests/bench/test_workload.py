@@ -28,6 +28,16 @@ def test_gamma_arrivals_have_the_rate_and_cv(rate, cv):
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)
 
 
+def test_arrivals_are_stationary_from_the_start():
+    """Every window holds rate x its length requests on average, the first one too (a bursty
+    process started at an arrival crowds its first seconds)."""
+    rate, cv, duration = 0.05, 2.0, 240.0
+    runs = [gamma_arrivals(np.random.default_rng(seed), rate, cv, duration)
+            for seed in range(4000)]
+    assert np.mean([len(t) for t in runs]) == pytest.approx(rate * duration, rel=0.05)
+    assert np.mean([np.sum(t < 10.0) for t in runs]) == pytest.approx(rate * 10.0, rel=0.1)
+
+
 def test_zipf_shares_and_per_model_rates():
     models = [f"m{i}" for i in range(8)]
     expected = zipf_shares(8, 1.0)
@@ -115,3 +125,15 @@ def test_a_bad_trace_is_one_line_before_any_model_is_built(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "bad.csv:2" in err and "Traceback" not in err
     assert not (tmp_path / "home").exists()
+
+
+def test_a_trace_replays_whole_unless_a_duration_cuts_it(tmp_path):
+    from mox.cli import build_parser
+    from mox.cli_bench import TRACE_TAIL_S, bench_config
+
+    trace = _write_trace(tmp_path / "t.csv", [(0, "a", 5, 5), (100, "b", 5, 5),
+                                              (300, "a", 5, 5)])
+    parse = lambda *extra: bench_config(build_parser().parse_args(
+        ["bench", "--trace", trace, "--trace-speedup", "2", *extra]))
+    assert parse().duration_s == 150 + TRACE_TAIL_S       # the last arrival, at 300 / 2
+    assert parse("--duration", "60").duration_s == 60
