@@ -45,22 +45,31 @@ GLM4_MOE_PARTIAL_ROTARY_FACTOR = 0.5
 
 # What transformers assumes for a field config.json leaves out, where it differs by
 # architecture (a missing rope_theta read as 10000 gave a mixtral 4.3 of logit error; the
-# fallbacks in the parsers below are the values most architectures share).
+# fallbacks in the parsers below are the values most architectures share). Fields whose
+# absence the tensors' shapes would catch are here too, so the error is not a shape's.
+# tests/loaders/test_config_defaults.py drops each field of transformers' own defaults in turn.
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "bos_token_id": 1, "eos_token_id": 2},
     "qwen2_moe": {"max_position_embeddings": 32768, "sliding_window": 4096,
-                  "max_window_layers": 28},
-    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096},
-    "olmoe": {"rms_norm_eps": 1e-5},
-    "glm4_moe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
-    "deepseek_v2": {"max_position_embeddings": 2048},
+                  "max_window_layers": 28, "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096,
+                  "num_key_value_heads": 4},
+    "olmoe": {"rms_norm_eps": 1e-5, "eos_token_id": 50279},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                 "num_key_value_heads": 8, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    "deepseek_v3": {"bos_token_id": 0, "eos_token_id": 1, "num_key_value_heads": 128,
+                    "q_lora_rank": 1536, "first_k_dense_replace": 3, "n_shared_experts": 1,
+                    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    "deepseek_v2": {"max_position_embeddings": 2048, "n_shared_experts": 2, "q_lora_rank": 1536,
+                    "bos_token_id": 1, "eos_token_id": 2},
     "gpt_oss": {"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
-                "max_position_embeddings": 131072,
-                # under the older key, so that a config's own `rope_parameters` wins
-                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                 "beta_slow": 1.0, "truncate": False,
-                                 "original_max_position_embeddings": 4096}},
+                "max_position_embeddings": 131072, "num_key_value_heads": 8, "head_dim": 64},
 }
+# GPT-OSS's rope when the config has neither `rope_parameters` nor `rope_scaling` (null or
+# missing; an empty `rope_parameters` is plain RoPE), as GptOssConfig fills it.
+GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def load_spec(checkpoint_dir: str) -> ModelSpec:
@@ -296,6 +305,8 @@ def _gpt_oss(config: dict[str, Any], path: str) -> ModelSpec:
     """Experts fused `[E, ...]` with biases (MXFP4 blocks and scales as published, kept MXFP4
     in the slots), clamped SwiGLU, a biased router, attention sinks, alternating sliding
     windows."""
+    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+        config = {**config, "rope_parameters": GPT_OSS_DEFAULT_ROPE}
     common = _common(config, path, quantizations=(EXPERTS_MXFP4,), windows=gpt_oss_windows)
     storage = EXPERTS_MXFP4 if quantization_method(config) == EXPERTS_MXFP4 else EXPERTS_FUSED
     if storage == EXPERTS_MXFP4 and (config["hidden_size"] % MXFP4_BLOCK_VALUES

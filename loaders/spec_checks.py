@@ -3,12 +3,11 @@ CheckpointError naming the field, at load, rather than an assertion on the first
 
 from __future__ import annotations
 
+from mox.kernels.routing import EXPERTS_PER_GROUP_SCORE
+
 from .errors import CheckpointError
 from .spec import ROUTING_SIGMOID_GROUPED, ROUTING_SOFTMAX_GROUPED, ModelSpec
 
-# Sigmoid grouped routing scores a group by its best two experts (as the reference does:
-# mox.kernels.routing.EXPERTS_PER_GROUP_SCORE; tests/loaders keep the two equal).
-SIGMOID_GROUP_MIN_EXPERTS = 2
 
 def check_spec(spec: ModelSpec, path: str) -> None:
     """Values the parsers took as they are but no model can run with."""
@@ -45,8 +44,7 @@ def _check_groups(spec: ModelSpec, path: str) -> None:
     if spec.top_k > kept * size:
         raise CheckpointError(path, f"num_experts_per_tok {spec.top_k} is more than the "
                               f"{kept * size} experts of topk_group {kept} groups of {size}")
-    # a group scores its best two (mox.kernels.routing.EXPERTS_PER_GROUP_SCORE)
-    if router.scoring == ROUTING_SIGMOID_GROUPED and size < SIGMOID_GROUP_MIN_EXPERTS:
+    if router.scoring == ROUTING_SIGMOID_GROUPED and size < EXPERTS_PER_GROUP_SCORE:
         raise CheckpointError(path, f"n_group {groups} leaves groups of {size} expert; "
                               f"sigmoid routing scores each group by its best "
-                              f"{SIGMOID_GROUP_MIN_EXPERTS}")
+                              f"{EXPERTS_PER_GROUP_SCORE}")

@@ -18,7 +18,8 @@ Design note.
   that shares the disk and the cores, so waiting for room, as model-swap does, is better:
   model-swap's behaviour is this rule with run size = every expert. Where the run sizes do
   not fit together (a warm model whose pool shrank while idle, a pinned model), the models
-  that hold theirs keep them and the others get working sets (one token's experts in every
+  that hold theirs keep them (unless a model of priority higher by more than `HYSTERESIS`
+  needs the room) and the others get working sets (one token's experts in every
   MoE layer: top_k x layers), or top_k, the least a step can run on (in waves).
 - Hysteresis: slots a model holds now count `HYSTERESIS` more, so a small wobble in the
   rates does not move slots back and forth (each move costs a disk read).
@@ -209,9 +210,9 @@ def settle(plan: Plan, demands: list[ModelDemand]) -> dict[str, int]:
 
 def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     """Pinned models whole; then the busy models' working sets (top_k each if those do not
-    fit), raised to their run floors one model at a time while they fit: highest priority first,
-    then those that hold their run floor now (a newcomer does not squeeze a model that runs
-    well), then by value."""
+    fit), raised to their run floors one model at a time while they fit: by priority, a model that
+    holds its run floor now counting `HYSTERESIS` more (a newcomer does not squeeze a model
+    that runs well unless the operator ranks it clearly higher), then by value."""
     floors = {d.name: d.max_slots for d in demands if d.pinned}
     busy = [d for d in demands if d.has_work and not d.pinned]
     working = {d.name: d.working_set for d in busy}
@@ -223,16 +224,18 @@ def _floors(demands: list[ModelDemand], budget_bytes: int) -> dict[str, int]:
     assert _nbytes(floors, demands) <= budget_bytes, (
         "the budget holds every expert of the pinned models and top_k of the busy ones; the "
         "router checks this")
-    # the operator's priority ranks first: incumbency keeps a newcomer of the same priority
-    # from squeezing a model that runs well, but it must not keep a model the operator
-    # raised below its run size for ever (a busy model at priority 10 held 76 slots beside
-    # an equally busy one's 118 at priority 1 for a minute: the fifth sweep)
-    for d in sorted(busy, key=lambda d: (d.priority, d.current_slots >= d.run_floor,
-                                         d.value_scale), reverse=True):
+    # incumbency weighs as hysteresis does: a newcomer must outrank a model that runs well
+    # at its run size by more than `HYSTERESIS` in priority to squeeze it (by a hair, the two
+    # would trade the room back and forth, each trade a reread), as one of higher priority may
+    for d in sorted(busy, key=lambda d: (_floor_rank(d), d.value_scale), reverse=True):
         raised = floors | {d.name: max(floors[d.name], d.run_floor)}
         if _nbytes(raised, demands) <= budget_bytes:
             floors = raised
     return {d.name: floors.get(d.name, 0) for d in demands}
+
+
+def _floor_rank(d: ModelDemand) -> float:
+    return d.priority * (1.0 + HYSTERESIS * (d.current_slots >= d.run_floor))
 
 
 def _nbytes(slots: dict[str, int], demands: list[ModelDemand]) -> int:

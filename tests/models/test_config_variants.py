@@ -13,7 +13,8 @@ import torch
 from tests.conftest import make_hf_checkpoint, open_tiny
 from tests.models.test_parity import LOGIT_ATOL, _prompt
 
-# name -> (case in tests.conftest.CASES, config overrides, fields dropped from config.json)
+# name -> (case in tests.conftest.CASES, config overrides, fields dropped from config.json
+# after transformers saved it, and fields written there then)
 VARIANTS = {
     # sliding and full layers alternate when layer_types is absent
     "gpt_oss-no-layer-types": ("gpt_oss", {}, ("layer_types",)),
@@ -32,12 +33,18 @@ VARIANTS = {
                          ("rms_norm_eps", "rope_theta", "rope_parameters")),
     "gpt_oss-defaults": ("gpt_oss", dict(rms_norm_eps=1e-5, rope_parameters=None),
                          ("rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling")),
+    # GPT-OSS's YaRN also under a null rope_scaling; an empty rope_parameters is plain RoPE
+    "gpt_oss-rope-scaling-null": ("gpt_oss", dict(rope_parameters=None),
+                                  ("rope_parameters",), {"rope_scaling": None}),
+    "gpt_oss-rope-parameters-empty": ("gpt_oss", dict(rope_parameters={"rope_type": "default",
+                                                                       "rope_theta": 150000.0}),
+                                      ("rope_parameters",), {"rope_parameters": {}}),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_prefill_logits_match_transformers(tmp_path, variant):
-    case, overrides, dropped = VARIANTS[variant]
+    case, overrides, dropped, *written = VARIANTS[variant]
     path = str(tmp_path / variant)
     hf_model = make_hf_checkpoint(path, case, **overrides)
     config_file = os.path.join(path, "config.json")
@@ -45,7 +52,8 @@ def test_prefill_logits_match_transformers(tmp_path, variant):
         config = json.load(f)
     assert any(key in config for key in dropped) or not dropped, "nothing to drop"
     with open(config_file, "w") as f:
-        json.dump({k: v for k, v in config.items() if k not in dropped}, f)
+        json.dump({k: v for k, v in config.items() if k not in dropped} | {
+            k: v for fields in written for k, v in fields.items()}, f)
     model = open_tiny(path)
     ids = _prompt(1, 20, hf_model.config.vocab_size)
     with torch.no_grad():

@@ -44,7 +44,7 @@ def test_yarn_matches_transformers(model_type, config):
 def test_partial_rotary_leaves_the_tail_alone():
     spec = parse_config({"model_type": "glm4_moe", **BASE, "n_routed_experts": 4,
                          "moe_intermediate_size": 8, "head_dim": 16,
-                         "partial_rotary_factor": 0.25})
+                         "first_k_dense_replace": 0, "partial_rotary_factor": 0.25})
     rotary = Rotary(spec.rope, torch.device("cpu"))
     assert spec.rope.rotary_dim == 4 and rotary.inv_freq.numel() == 2
     x = torch.randn(3, 2, 16)

@@ -82,10 +82,13 @@ def test_busy_models_get_their_run_size_as_a_floor_when_it_fits():
     plan = plan_slots([_demand("a", 0.1, run=12, current=12), _demand("b", 10.0, run=12)],
                       20 * NBYTES)
     assert plan.slots == {"a": 12, "b": 8}
-    # ... unless the newcomer has the higher priority: the operator's weight comes first
-    plan = plan_slots([_demand("a", 1.0, run=12, current=12),
-                       _demand("b", 1.0, run=12, current=8, priority=10.0)], 20 * NBYTES)
-    assert plan.slots["b"] >= 12 and plan.slots["a"] >= 4
+    # ... unless the operator ranks the newcomer higher by more than the hysteresis; by a
+    # hair, it does not squeeze the incumbent (the two would trade the room back and forth)
+    ranked = lambda priority: plan_slots(
+        [_demand("a", 1.0, run=12, current=12),
+         _demand("b", 1.0, run=12, current=8, priority=priority)], 20 * NBYTES).slots
+    assert ranked(10.0)["b"] >= 12 and ranked(10.0)["a"] >= 4
+    assert ranked(1.0 + HYSTERESIS / 2)["a"] == 12
 
 
 def test_slots_follow_the_rates():
