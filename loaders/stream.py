@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import weakref
@@ -28,6 +29,8 @@ import torch
 from .errors import CheckpointError
 from .io_pool import DEMAND, IOPool
 from .safetensors_format import TensorInfo
+
+log = logging.getLogger("mox.loaders")
 
 DIRECT_IO_ALIGNMENT = 4096        # logical block size O_DIRECT needs for offset, length, address
 DEFAULT_IO_THREADS = 4            # NVMe needs a few reads in flight; more only adds contention
@@ -127,6 +130,10 @@ class StreamingReader:
                     raise _as_checkpoint_error(run, e) from e
                 with self._lock:
                     self._no_direct.add(path)      # this filesystem refuses O_DIRECT
+                # said once a file: its reads, counted as disk reads, may be page-cache hits
+                log.warning("%s: the filesystem refuses O_DIRECT; its reads go through the "
+                            "page cache, so its bytes read from disk may be served from RAM",
+                            path)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
