@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import msgspec
+import numpy as np
 
 from mox.bench.loadtest.cold_starts import table as cold_start_table
 from mox.bench.loadtest.plots import MiB, plot_suite
@@ -83,6 +84,18 @@ def prefetch_line(suite: Suite) -> str:
                 if p.error is None and p.pager.preloads]
     return line + (" Preloaded with cold starts (experts): " + ", ".join(preloads) + "."
                    if preloads else "")
+
+
+def send_lag_line(suite: Suite) -> str:
+    """How far the client's sends fell behind the arrival schedule (TTFT counts from the
+    send, so a lagging client would hide that much of a policy's queueing)."""
+    cells = []
+    for p in suite.policies:
+        lags = [r.sent_s - r.arrival_s for r in p.requests]
+        if p.error is None and lags:
+            cells.append(f"{p.policy} {1e3 * float(np.percentile(lags, 99)):.0f}")
+    return ("Sends behind the arrival schedule, p99 ms (TTFT counts from the send): "
+            + ", ".join(cells) + ".") if cells else ""
 
 
 def per_model_table(suite: Suite) -> list[str]:
@@ -168,7 +181,7 @@ def markdown(results: Results, plots: list[str]) -> str:
                   f"tokens, outputs {w.mean_output_tokens:.0f} tokens on average.", "",
                   routing_line(suite.routing), ""]
         lines += policy_table(suite) + [""]
-        lines += [prefetch_line(suite), ""]
+        lines += [prefetch_line(suite), "", send_lag_line(suite), ""]
         lines += ["| rate: figure vs baseline | ratio | target | |", "|---|---|---|---|",
                   *map(target_line, tg), ""]
         lines += per_model_table(suite) + [""]

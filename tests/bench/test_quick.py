@@ -67,6 +67,9 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
     markdown = (out / "results.md").read_text()
     assert "| rate |" in markdown and "| TTFT p99 vs model-swap |" in markdown
     assert "| uniform-rate |" in markdown                      # the per-step timeline table
+    # how far the client's sends lagged the schedule (TTFT counts from the send)
+    assert "Sends behind the arrival schedule, p99 ms (TTFT counts from the send): rate " \
+        in markdown
     from mox.bench.loadtest.tail import decode_table, slowest, ttft_table
 
     rate = suite.policies[0]
