@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import sys
 import threading
 
 import msgspec
@@ -41,6 +43,12 @@ class CompletionOutput(msgspec.Struct, omit_defaults=True):
 
 
 RequestOutput = CompletionOutput   # the name DESIGN.md's offline API uses
+
+
+# The server's queue limits and timeout protect it from clients; one `generate` call queues
+# every prompt it is given and waits for them all (vLLM's LLM takes any number), so none apply.
+OFFLINE_QUEUE = dict(max_waiting_per_model=sys.maxsize, max_waiting=sys.maxsize,
+                     queue_timeout_s=math.inf)
 
 
 class LLM:
@@ -77,7 +85,7 @@ class LLM:
             policy=policy, device=device, dtype=self.dtype, device_memory=device_memory,
             host_memory=host_bytes, kv_memory=parse_size(kv_memory),
             max_batched_tokens=max_batched_tokens, prefetch=prefetch, direct_io=direct_io,
-            decode_steps=decode_steps))
+            decode_steps=decode_steps, **OFFLINE_QUEUE))
         served = self.router.models[self.name]
         if served.state == ModelState.FAILED:
             raise ModelUnavailableError(served.error)

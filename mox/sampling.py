@@ -18,6 +18,10 @@ from mox.errors import InvalidRequestError, MoxError
 # NaN, and no temperature this small differs from argmax anyway (vLLM's floor too).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
+# transformers' GenerationConfig defaults for the fields mox samples with: a checkpoint's
+# generation_config.json that differs from them sets a request's defaults, as vLLM's
+# `--generation-config auto` does (it applies the differences only)
+GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
 
 def _is_int(value: object) -> bool:
@@ -46,6 +50,24 @@ def _check_types(params: SamplingParams) -> None:
             _is_int(i) for i in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be token ids, got "
                                   f"{params.stop_token_ids!r}", param="stop_token_ids")
+
+
+def generation_defaults(config: dict) -> dict[str, float | int]:
+    """The sampling defaults a generation_config.json sets: its temperature, top_p and top_k
+    where they differ from transformers' own (top_k 0 is off, mox's -1). A value no request
+    could give (a string, top_p 0) is left out: the server's default stands."""
+    defaults: dict[str, float | int] = {}
+    for name, hf_default in GENERATION_CONFIG_DEFAULTS.items():
+        value = config.get(name)
+        if value is None or value == hf_default or isinstance(value, bool):
+            continue
+        if name == "top_k" and _is_int(value) and value >= 0:
+            defaults[name] = -1 if value == 0 else int(value)
+        elif name == "temperature" and isinstance(value, Real) and 0 <= value < math.inf:
+            defaults[name] = float(value)
+        elif name == "top_p" and isinstance(value, Real) and 0 < value <= 1:
+            defaults[name] = float(value)
+    return defaults
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,19 @@ def nan_rows(logits: torch.Tensor, tokens: list[int]) -> list[bool]:
     return torch.isnan(logits[rows, torch.tensor(tokens, device=logits.device)]).tolist()
 
 
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs [V]` with all but the smallest set of most likely tokens whose mass reaches
+    `top_p` zeroed (the top token always survives). The running mass is summed in float64
+    and taken as a share of the total: float32's sum drifts over a large vocabulary (at 152k
+    tokens it reached 1.000005 and cut ~600 tail tokens that p = 0.9999 keeps)."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    wide = sorted_probs.double()
+    outside = wide.cumsum(0) - wide >= top_p * wide.sum()
+    outside[0] = False
+    sorted_probs[outside] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from next-token logits `[V]` (float32)."""
     if params.is_greedy:
@@ -140,12 +175,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        outside[0] = False            # even when top_p rounds to 0.0 in float32
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = nucleus(probs, params.top_p)
     if torch.isnan(probs[0]):         # a NaN logit makes every probability NaN
         raise NaNLogitsError()
     return int(torch.multinomial(probs, 1, generator=generator))

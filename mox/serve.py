@@ -72,6 +72,9 @@ class RouterBackend:
             self._templates[model] = ChatTemplate.from_checkpoint(served.path)
         return self._templates[model]
 
+    def sampling_defaults(self, model: str) -> dict[str, float | int]:
+        return self.router.served(model).sampling_defaults
+
     def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
         return self.async_engine.generate(request)
 

@@ -80,6 +80,9 @@ class Admission:
                 if not t.started and now - t.arrival > self.queue_timeout_s]
 
     def next_expiry(self) -> float | None:
-        """When the next waiting request times out (None: none waits)."""
+        """When the next waiting request times out (None: none waits, or none ever times out:
+        the offline API's infinite timeout)."""
+        if math.isinf(self.queue_timeout_s):
+            return None
         return min((t.arrival + self.queue_timeout_s for t in self._requests.values()
                     if not t.started), default=None)

@@ -26,8 +26,10 @@ from mox.models import MoEDecoder
 from mox.models.loading import load_model
 from mox.pager import ModelPool
 from mox.router.rates import ModelTraffic
+from mox.sampling import generation_defaults
 from mox.tokenizer import Tokenizer
 
+GENERATION_CONFIG_FILE = "generation_config.json"
 log = logging.getLogger("mox.router")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -42,6 +44,8 @@ class ServedModel:
     tokenizer: Tokenizer | None = None
     eos_token_ids: tuple[int, ...] = ()
     dense_nbytes: int = 0                    # in the serving dtype
+    # a request's temperature / top_p / top_k where it gives none (generation_config.json)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     error: str | None = None
     decoder: MoEDecoder | None = None
     pool: ModelPool | None = None            # its experts in the pager (once registered)
@@ -64,7 +68,9 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
     try:
         ckpt = Checkpoint(path)
         tokenizer = Tokenizer.from_checkpoint(ckpt.path)
-        eos = eos_token_ids(ckpt, tokenizer)
+        generation_path = os.path.join(ckpt.path, GENERATION_CONFIG_FILE)
+        generation = read_json_object(generation_path) or {}
+        eos = eos_token_ids(ckpt, tokenizer, generation, generation_path)
     except MoxError as e:
         return ServedModel(name, path, ModelState.FAILED, error=str(e))
     except Exception as e:  # noqa: BLE001 - one bad checkpoint must not stop the others
@@ -72,7 +78,7 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
         return ServedModel(name, path, ModelState.FAILED,
                            error=f"{path}: cannot open: {type(e).__name__}: {e}")
     return ServedModel(name, ckpt.path, ModelState.COLD, ckpt, tokenizer, eos,
-                       dense_nbytes(ckpt, dtype))
+                       dense_nbytes(ckpt, dtype), sampling_defaults=generation_defaults(generation))
 
 
 def dense_nbytes(ckpt: Checkpoint, dtype: torch.dtype) -> int:
@@ -162,11 +168,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
-def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    """eos ids from config.json, generation_config.json and the tokenizer, as HF merges them."""
+def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None, generation: dict,
+                  generation_path: str) -> tuple[int, ...]:
+    """eos ids from config.json, generation_config.json (`generation`, read from
+    `generation_path`) and the tokenizer, as HF merges them."""
     ids = set(ckpt.spec.eos_token_ids)
-    path = os.path.join(ckpt.path, "generation_config.json")
-    ids.update(eos_token_ids_of(read_json_object(path) or {}, path))
+    ids.update(eos_token_ids_of(generation, generation_path))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

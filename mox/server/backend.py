@@ -9,7 +9,7 @@ loading inside them: a model that is not loaded yet is reported as cold or loadi
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,9 @@ class ServingBackend(Protocol):
       `ModelUnavailableError` for a model that failed to load.
     - `chat_template(model)`: the model's `ChatTemplate` (see `ChatTemplate.from_checkpoint`);
       the same errors.
+    - `sampling_defaults(model)`: the `temperature` / `top_p` / `top_k` a request that gives
+      none samples with (its checkpoint's generation_config.json, as vLLM applies it; empty:
+      the server's defaults); the same errors.
     - `generate(request)`: an async generator of incremental outputs, the last one with a
       `finish_reason`. It may raise `InvalidRequestError` (e.g. a prompt longer than the
       context), `ModelNotFoundError`, `AdmissionError`, `ModelUnavailableError` or
@@ -66,6 +69,8 @@ class ServingBackend(Protocol):
     def tokenizer(self, model: str) -> Tokenizer | None: ...
 
     def chat_template(self, model: str) -> ChatTemplate: ...
+
+    def sampling_defaults(self, model: str) -> Mapping[str, float | int]: ...
 
     def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]: ...
 

@@ -100,7 +100,8 @@ async def _read_body(http_request: web.Request, limits: ServerLimits) -> bytes:
 async def create_completion(http_request: web.Request) -> web.StreamResponse:
     ctx = http_request.app[CONTEXT]
     body = decode_body(await _read_body(http_request, ctx.limits), CompletionRequest)
-    params = completion_sampling_params(body, ctx.limits)
+    params = completion_sampling_params(body, ctx.limits,
+                                        ctx.backend.sampling_defaults(body.model))
     tokenizer = ctx.backend.tokenizer(body.model)
     prompt = completion_prompt(body.prompt)
     prompt_ids = (prompt if isinstance(prompt, list)
@@ -114,7 +115,7 @@ async def create_completion(http_request: web.Request) -> web.StreamResponse:
 async def create_chat_completion(http_request: web.Request) -> web.StreamResponse:
     ctx = http_request.app[CONTEXT]
     body = decode_body(await _read_body(http_request, ctx.limits), ChatCompletionRequest)
-    params = chat_sampling_params(body, ctx.limits)
+    params = chat_sampling_params(body, ctx.limits, ctx.backend.sampling_defaults(body.model))
     tokenizer = ctx.backend.tokenizer(body.model)
     messages = [m.as_template_input() for m in body.messages]
     _refuse_control_tokens(messages, tokenizer)

@@ -10,6 +10,8 @@ them expects them to work).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -22,6 +24,7 @@ from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
 DEFAULT_TEMPERATURE = 1.0
+EMPTY: Mapping[str, float | int] = MappingProxyType({})      # no model defaults
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
 T = TypeVar("T")
@@ -195,12 +198,15 @@ _VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": 
 
 
 def _params(body: _SamplingFields, max_tokens: int, logprobs: bool,
-            max_tokens_param: str | None) -> SamplingParams:
+            max_tokens_param: str | None, defaults: Mapping[str, float | int]
+            ) -> SamplingParams:
+    """`defaults`: the model's (ServingBackend.sampling_defaults) for what the body omits."""
+    pick = lambda value, name, fallback: defaults.get(name, fallback) if value is None else value
     return SamplingParams(
         max_tokens=max_tokens, max_tokens_param=max_tokens_param,
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
+        temperature=pick(body.temperature, "temperature", DEFAULT_TEMPERATURE),
+        top_p=pick(body.top_p, "top_p", 1.0),
+        top_k=pick(body.top_k, "top_k", -1),
         seed=body.seed, stop=() if body.stop is None else body.stop,
         stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
@@ -208,7 +214,8 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: bool,
 
 
 def completion_sampling_params(body: CompletionRequest,
-                               limits: ServerLimits = DEFAULT_LIMITS) -> SamplingParams:
+                               limits: ServerLimits = DEFAULT_LIMITS,
+                               defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
     """Range checks (400 naming the parameter), then SamplingParams. `logprobs`: only the
     chosen token's log-probability is reported, so only `logprobs=0` is accepted."""
     _check_common(body, body.max_tokens, "max_tokens", limits)
@@ -220,11 +227,13 @@ def completion_sampling_params(body: CompletionRequest,
     max_tokens = (min(DEFAULT_COMPLETION_MAX_TOKENS, limits.max_tokens_cap)
                   if body.max_tokens is None else body.max_tokens)
     return _params(body, max_tokens, logprobs=body.logprobs is not None,
-                   max_tokens_param=None if body.max_tokens is None else "max_tokens")
+                   max_tokens_param=None if body.max_tokens is None else "max_tokens",
+                   defaults=defaults)
 
 
 def chat_sampling_params(body: ChatCompletionRequest,
-                         limits: ServerLimits = DEFAULT_LIMITS) -> SamplingParams:
+                         limits: ServerLimits = DEFAULT_LIMITS,
+                         defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
     """As completions; `max_completion_tokens` wins over the older `max_tokens`; without
     either, the server's `default_max_tokens` (a request without a limit must not be a
     lever for running every sequence to the context's end)."""
@@ -244,7 +253,8 @@ def chat_sampling_params(body: ChatCompletionRequest,
              "only response_format type 'text' is supported", "response_format")
     _require(len(body.messages) > 0, "messages must not be empty", "messages")
     return _params(body, limits.default_max_tokens if limit is None else limit,
-                   bool(body.logprobs), max_tokens_param=None if limit is None else limit_param)
+                   bool(body.logprobs), max_tokens_param=None if limit is None else limit_param,
+                   defaults=defaults)
 
 
 def completion_prompt(prompt: str | list[int | str | list[int]]) -> str | list[int]:

@@ -32,6 +32,14 @@ def test_prompts_and_token_ids_give_the_same_greedy_result(llm):
     assert by_text.token_ids == by_ids.token_ids and by_text.prompt_token_ids == ids
 
 
+def test_one_call_takes_more_prompts_than_a_servers_queue(llm):
+    """vLLM's LLM takes any number of prompts; the server's queue limit (256 a model) and
+    timeout are a server's, not the offline API's."""
+    outs = llm.generate(prompt_token_ids=[[3 + i % 50] for i in range(300)], max_tokens=1,
+                        temperature=0.0)
+    assert len(outs) == 300 and all(len(o.token_ids) == 1 for o in outs)
+
+
 def test_seeded_sampling_is_reproducible(llm):
     run = lambda seed: llm.generate("Once upon a time", max_tokens=10, temperature=1.0,
                                     top_p=0.9, seed=seed)[0].token_ids

@@ -437,6 +437,18 @@ def test_a_checkpoint_json_file_that_is_not_an_object_fails_its_model(hf_checkpo
     _run(router, None, _finished(["y"]))
 
 
+def test_a_checkpoints_generation_config_sets_its_sampling_defaults(hf_checkpoints,
+                                                                    tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(hf_checkpoints["olmoe"][0], model)
+    (model / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [5, 7]}')
+    router = Router({"m": str(model)}, RouterConfig(dtype="float32"))
+    served = router.served("m")
+    assert served.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert {5, 7} <= set(served.eos_token_ids)
+
+
 def test_a_model_that_would_leave_another_no_room_is_refused_and_the_others_serve(
         hf_checkpoints):
     """Models are checked against the budget as they are added: one that shrinks the equal

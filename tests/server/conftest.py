@@ -53,6 +53,7 @@ class FakeBackend:
         self.retry_after_s = 0.2
         self.names = ("echo", "busy", "broken", "crash", "flaky", "dies", "slow", "nan")
         self.abort_error: Exception | None = None
+        self.defaults: dict[str, float | int] = {}      # generation_config.json's
 
     def is_ready(self) -> bool:
         return self.ready
@@ -67,6 +68,10 @@ class FakeBackend:
         if model == "broken":
             raise ModelUnavailableError("model 'broken' failed to load: corrupt shard")
         return self._tokenizer
+
+    def sampling_defaults(self, model: str) -> dict[str, float | int]:
+        self.tokenizer(model)                     # the same errors
+        return self.defaults
 
     def chat_template(self, model: str) -> ChatTemplate:
         self.tokenizer(model)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from mox.errors import InvalidRequestError
+from mox.sampling import generation_defaults
 from mox.server.chat_template import ChatTemplate
 from mox.server.limits import ServerLimits
 from mox.server.protocol import (
@@ -252,3 +253,21 @@ def test_a_template_failing_as_it_renders_is_a_400(tmp_path, source):
     with pytest.raises(InvalidRequestError, match="chat template failed") as e:
         template.render(MESSAGES)
     assert e.value.param == "messages"
+
+
+def test_a_models_generation_config_sets_what_a_request_leaves_out():
+    # transformers' own defaults (temperature 1, top_p 1, top_k 50) set nothing, as in vLLM;
+    # top_k 0 is off; values no request could give are left out
+    assert generation_defaults({"temperature": 1.0, "top_p": 1.0, "top_k": 50}) == {}
+    assert generation_defaults({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                "do_sample": True}) == {"temperature": 0.6, "top_p": 0.95,
+                                                        "top_k": 20}
+    assert generation_defaults({"top_k": 0, "top_p": 0.0, "temperature": "hot"}) == {"top_k": -1}
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    for make, build in ((_completion, completion_sampling_params), (_chat, chat_sampling_params)):
+        params = build(make(), ServerLimits(), defaults)
+        assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
+        params = build(make(temperature=0.0, top_p=0.5, top_k=3), ServerLimits(), defaults)
+        assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.5, 3)
+        params = build(make(), ServerLimits())                  # none: the server's
+        assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, -1)
