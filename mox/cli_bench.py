@@ -50,6 +50,17 @@ def parse_slo(text: str | list[str]) -> tuple[float, float]:
     return values["ttft"], values["tpot"]
 
 
+def _lengths(default: tuple[float, float, int, int], mean: int | None) -> list:
+    """(mean, cv, minimum, maximum) of a length distribution at `mean` (None: the mode's): the
+    bounds scale with it, so the clipped lengths keep its mean (`--output-tokens 100` against
+    the full mode's bound of 64 had averaged 61)."""
+    if mean is None:
+        return list(default)
+    old_mean, cv, low, high = default
+    scale = mean / old_mean
+    return [mean, cv, max(1, round(low * scale)), max(1, round(high * scale))]
+
+
 def bench_config(args: argparse.Namespace):
     from mox.bench.loadtest.results_schema import SLO, BenchConfig
     from mox.bench.loadtest.workload import LengthDistribution, read_trace
@@ -61,12 +72,8 @@ def bench_config(args: argparse.Namespace):
         rows = read_trace(args.trace)   # a bad trace is refused before any model is built
         if args.duration is None:       # the whole trace (its last arrival included)
             duration = (rows[-1][0] - rows[0][0]) / args.trace_speedup + TRACE_TAIL_S
-    prompt = list(mode["prompt"])
-    output = list(mode["output"])
-    if args.prompt_tokens is not None:
-        prompt[0] = args.prompt_tokens
-    if args.output_tokens is not None:
-        output[0] = args.output_tokens
+    prompt = _lengths(mode["prompt"], args.prompt_tokens)
+    output = _lengths(mode["output"], args.output_tokens)
     ttft, tpot = parse_slo(pick(args.slo, "slo"))
     return BenchConfig(
         quick=args.quick, preset=pick(args.preset, "preset"), architecture=args.arch,

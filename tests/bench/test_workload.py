@@ -137,3 +137,13 @@ def test_a_trace_replays_whole_unless_a_duration_cuts_it(tmp_path):
         ["bench", "--trace", trace, "--trace-speedup", "2", *extra]))
     assert parse().duration_s == 150 + TRACE_TAIL_S       # the last arrival, at 300 / 2
     assert parse("--duration", "60").duration_s == 60
+
+
+def test_a_length_option_keeps_its_mean_through_the_clipping():
+    from mox.cli import build_parser
+    from mox.cli_bench import bench_config
+
+    config = bench_config(build_parser().parse_args(["bench", "--output-tokens", "100"]))
+    assert (config.output.mean, config.output.maximum) == (100, 200)   # the full mode's 2x
+    lengths = config.output.sample(np.random.default_rng(0), 20_000)
+    assert lengths.mean() == pytest.approx(100, rel=0.05)
