@@ -129,11 +129,13 @@ class StreamingReader:
                 if e.errno != errno.EINVAL:
                     raise _as_checkpoint_error(run, e) from e
                 with self._lock:
+                    first = path not in self._no_direct
                     self._no_direct.add(path)      # this filesystem refuses O_DIRECT
                 # said once a file: its reads, counted as disk reads, may be page-cache hits
-                log.warning("%s: the filesystem refuses O_DIRECT; its reads go through the "
-                            "page cache, so its bytes read from disk may be served from RAM",
-                            path)
+                if first:
+                    log.warning("%s: the filesystem refuses O_DIRECT; its reads go through the "
+                                "page cache, so its bytes read from disk may be served from "
+                                "RAM", path)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:

@@ -92,6 +92,7 @@ class LLM:
         self._whole = expert_bytes is None
         self.router.warm_up(self.name, whole=self._whole)
         self.tokenizer: Tokenizer | None = served.tokenizer
+        self.sampling_defaults = served.sampling_defaults
         self.eos_token_ids = served.eos_token_ids
         self._request_counter = itertools.count()
         # one generate at a time steps the router (each call collects the outputs of the steps
@@ -123,14 +124,19 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, max_tokens: int = 16,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None,
                  seed: int | None = None, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                  logprobs: bool = False) -> list[CompletionOutput]:
         """All prompts go to the engine at once and are batched together. Calls from several
-        threads run one after another."""
+        threads run one after another. `temperature`, `top_p`, `top_k` left None: the
+        checkpoint's generation_config.json values, else 1.0, 1.0 and -1 (as the server)."""
+        default = lambda value, name, fallback: (
+            self.sampling_defaults.get(name, fallback) if value is None else value)
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            max_tokens=max_tokens, temperature=default(temperature, "temperature", 1.0),
+            top_p=default(top_p, "top_p", 1.0), top_k=default(top_k, "top_k", -1), seed=seed,
             stop=() if stop is None else stop,
             stop_token_ids=() if stop_token_ids is None else stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs)

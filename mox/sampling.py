@@ -18,9 +18,10 @@ from mox.errors import InvalidRequestError, MoxError
 # NaN, and no temperature this small differs from argmax anyway (vLLM's floor too).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accepts
-# transformers' GenerationConfig defaults for the fields mox samples with: a checkpoint's
-# generation_config.json that differs from them sets a request's defaults, as vLLM's
-# `--generation-config auto` does (it applies the differences only)
+# transformers' generate() defaults for the fields mox samples with: a checkpoint's
+# generation_config.json value that differs from them sets a request's default, as vLLM's
+# `--generation-config auto` applies the differences from GenerationConfig() (these values on
+# transformers 4; on 5 an explicit "top_k": 50 would count there, and does not here)
 GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
 

@@ -129,7 +129,7 @@ def tiny_router(path: str, name: str = "olmoe", whole: bool | None = None, **con
 def byte_fallback_tokenizer(folder) -> str:
     """A SentencePiece-style tokenizer.json in `folder` (Mistral's pipeline: "<0xNN>" pieces
     for single bytes, U+2581 for a space, the first space stripped): 256 byte pieces after
-    <unk>, then "\u2581h" (257) and "i" (258). Returns its path."""
+    <unk>, then "\u2581h" (257), "i" (258) and the special "</s>" (259). Returns its path."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models
 
@@ -138,6 +138,7 @@ def byte_fallback_tokenizer(folder) -> str:
     hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["</s>"])
     path = os.path.join(folder, "tokenizer.json")
     hf.save(path)
     return path

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import os
 import re
 import shutil
@@ -143,8 +144,10 @@ class ServerProcess:
     async def __aenter__(self) -> ServerProcess:
         # the server appends to its step log: a log left by an earlier run into the same
         # folder would be summarized as this run's
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.step_log)
+        stem = self.step_log.removesuffix(".steps.jsonl")
+        for path in [self.step_log, *glob.glob(f"{stem}-*.steps.jsonl")]:   # a fleet's replicas'
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         self._process = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)

@@ -26,9 +26,10 @@ def write_report(results: Results, out: str) -> list[str]:
     with open(paths[0], "wb") as f:
         f.write(msgspec.json.encode(results) + b"\n")
     plots = [p for suite in results.suites for p in plot_suite(suite, out)]
-    steps = step_table(os.path.join(out, "logs"), [f"{suite.name}-{policy.policy}"
-                                                    for suite in results.suites
-                                                    for policy in suite.policies])
+    # a fleet's replicas each write `<suite>-<policy>-<replica>`
+    steps = step_table(os.path.join(out, "logs"),
+                       [f"{suite.name}-{policy.policy}{'-*' if policy.replicas else ''}"
+                        for suite in results.suites for policy in suite.policies])
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(markdown(results, [os.path.basename(p) for p in plots]))
         if steps.count("\n") > 1:
@@ -91,7 +92,9 @@ def send_lag_line(suite: Suite) -> str:
     send, so a lagging client would hide that much of a policy's queueing)."""
     cells = []
     for p in suite.policies:
-        lags = [r.sent_s - r.arrival_s for r in p.requests]
+        # (one not sent, or cut at the deadline, carries its arrival as its send)
+        lags = [r.sent_s - r.arrival_s for r in p.requests
+                if not (r.error or "").startswith(("not sent", "not finished"))]
         if p.error is None and lags:
             cells.append(f"{p.policy} {1e3 * float(np.percentile(lags, 99)):.0f}")
     return ("Sends behind the arrival schedule, p99 ms (TTFT counts from the send): "

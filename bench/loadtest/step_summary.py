@@ -11,6 +11,7 @@ prints a table of them, the evidence behind a gap in the load test's targets.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -63,20 +64,16 @@ def summarize(records: list[StepRecord]) -> StepSummary:
         sum(r.bytes_read for r in records) / MiB, mean([len(m) for m in windows.values()]))
 
 
-def table(logs_dir: str, names: list[str] | None = None) -> str:
-    """One row per step log `logs_dir/<name>.steps.jsonl` of `names` (a report's: its run's
-    suites and policies, as an earlier run into the same folder may have left others; None:
-    every log there)."""
-    if names is None:
-        names = sorted(f.removesuffix(".steps.jsonl") for f in os.listdir(logs_dir)
-                       if f.endswith(".steps.jsonl"))
+def table(logs_dir: str, names: list[str] = ("*",)) -> str:
+    """One row per step log `logs_dir/<name>.steps.jsonl` of `names` (glob patterns: a
+    report's are its run's suites and policies, as an earlier run into the same folder may
+    have left others)."""
     rows = ["| log | steps | busy / span s | decode ms p50 / mean (CPU) | seqs per decode | "
             "decodes missing / below run size | prefills (mean ms) | stalled / parked s | "
             "misses | read in steps MiB | models per 10 s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path in [os.path.join(logs_dir, f"{name}.steps.jsonl") for name in names]:
-        if not os.path.exists(path):
-            continue
+    for path in [p for name in names
+                 for p in sorted(glob.glob(os.path.join(logs_dir, f"{name}.steps.jsonl")))]:
         records, _ = read_log(path)
         if not records:
             continue

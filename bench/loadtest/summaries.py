@@ -225,7 +225,9 @@ def fleet_targets(ok: dict[str, PolicyResult]) -> list[Target]:
         share = fleet.warm_share
         out += [goodput, Target(f"{fleet.policy} requests landing where warm (share)", "-",
                                 FLEET_WARM_SHARE, False, share,
-                                None if share is None else share >= FLEET_WARM_SHARE)]
+                                None if share is None else (share >= FLEET_WARM_SHARE and
+                                                            failed_share(fleet)
+                                                            <= MAX_FAILED_SHARE))]
     return out
 
 

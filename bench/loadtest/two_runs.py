@@ -1,6 +1,6 @@
 """Two `mox bench` runs of the same command side by side: every figure as "run 1 / run 2", the
 way the README reports the load test (the machine is shared and noisy, so one run is not a
-measurement). Latencies are over the requests that succeeded: "ok / sent" says how many.
+measurement). Latencies are over the requests that succeeded: "ok/sent" says how many.
 
     python -m mox.bench.loadtest.two_runs OUT1 OUT2
 """
@@ -18,7 +18,7 @@ GiB = 2**30
 
 # (header, figure of a policy's result (None: none measured), format)
 COLUMNS = (
-    ("ok / sent", lambda p: f"{p.counts.ok} / {p.counts.requests}", "{}"),
+    ("ok/sent", lambda p: f"{p.counts.ok}/{p.counts.requests}", "{}"),
     ("TTFT p50 s", lambda p: p.latency.ttft.p50, "{:.2f}"),
     ("TTFT p99 s", lambda p: p.latency.ttft.p99, "{:.1f}"),
     ("TPOT p50 ms", lambda p: _ms(p.latency.tpot.p50), "{:.0f}"),

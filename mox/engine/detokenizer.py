@@ -54,7 +54,9 @@ class IncrementalDetokenizer:
             return
         before = self.tokenizer.decode(self.token_ids[self._window:self._read])
         after = self.tokenizer.decode(self.token_ids[self._window:])
-        if after.endswith(INCOMPLETE_CHAR) and not final:
+        if (after.endswith(INCOMPLETE_CHAR) and not final) or len(after) <= len(before):
+            # no text yet: the window stays where it is (a skipped special token must not
+            # become its first token, which would lose the next SentencePiece word's space)
             return
         self.decoded += after[len(before):]
         self._window, self._read = self._read, len(self.token_ids)

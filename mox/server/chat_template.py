@@ -91,7 +91,7 @@ class ChatTemplate:
         config = read_json_object(config_path) or {}
         specials = _special_tokens(config)
         path = os.path.join(checkpoint_dir, CHAT_TEMPLATE_FILE)
-        if os.path.lexists(path):
+        if os.path.lexists(path) and not os.path.isdir(path):   # (transformers skips a folder)
             try:
                 with open(path, encoding="utf-8") as f:
                     return cls(f.read(), specials, path)

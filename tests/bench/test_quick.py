@@ -95,7 +95,7 @@ def test_quick_bench_runs_end_to_end_and_validates(tmp_path):
 
     side_by_side = compare([str(out), str(out)])              # two runs' figures, "a / b"
     rate = suite.policies[0]
-    p50, sent = rate.latency.ttft.p50, f"{rate.counts.ok} / {rate.counts.requests}"
+    p50, sent = rate.latency.ttft.p50, f"{rate.counts.ok}/{rate.counts.requests}"
     assert f"| rate | {sent} / {sent} | {p50:.2f} / {p50:.2f} |" in side_by_side
     renamed = out / "renamed"                  # a run whose only suite another run lacks
     renamed.mkdir()
@@ -180,7 +180,7 @@ def test_two_runs_shows_counts_and_a_missing_figure_as_a_dash():
                          latency=Latency(*[Summary(0)] * 6), pager=Pager(0, 0, None, 0, 0))
     suite = Suite("uniform", 0.0, ["a"], 0, 0, 0, Workload(3, 1.0, 8, 8, {}), None, [empty], [])
     row = policy_table([suite, suite])[2]
-    assert row.startswith("| rate | 0 / 3 / 0 / 3 | - / - |")
+    assert row.startswith("| rate | 0/3 / 0/3 | - / - |")
 
 
 def test_a_ray_runs_targets_compare_with_rate_in_one_process():
@@ -266,6 +266,9 @@ def test_step_summary_reads_a_step_log(tmp_path):
     (tmp_path / "uniform-lru.steps.jsonl").write_bytes(path.read_bytes())
     assert "uniform-lru" in table(str(tmp_path))
     assert "uniform-lru" not in table(str(tmp_path), ["uniform-rate"])
+    # a fleet's replicas each write their own
+    (tmp_path / "uniform-rate-ray2-r0.steps.jsonl").write_bytes(path.read_bytes())
+    assert "| uniform-rate-ray2-r0 |" in table(str(tmp_path), ["uniform-rate-ray2-*"])
 
 
 def test_a_quantized_suite_serves_quantized_copies_at_the_bf16_budget(tmp_path):

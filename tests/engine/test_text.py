@@ -50,6 +50,8 @@ def test_sentencepiece_text_streams_as_it_decodes_and_never_stalls(tmp_path):
                                  for i, t in enumerate(ids))
     hi = [257, 258]                          # "▁h", "i": its space only after a token
     assert stream(hi * 3) == tok.decode(hi * 3) == "hi hi hi"
+    # a special token decodes to nothing: the next word keeps its space
+    assert stream([*hi, 259, *hi]) == tok.decode([*hi, 259, *hi]) == "hi hi"
     # a sampled byte turns the byte before it invalid: "I" (0x49) is out already, the decoder
     # now reads both as U+FFFD; the text goes on after it (it had stopped for good)
     ids = [1 + 0x49, 1 + 0xA4, *hi * 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -85,6 +86,21 @@ def test_eos_ends_generation_unless_ignored(llm, monkeypatch):
 
 def test_eos_ids_come_from_the_checkpoint(llm):
     assert llm.eos_token_ids == (llm.tokenizer.eos_token_id,)
+
+
+def test_generation_configs_sampling_defaults_apply_offline_too(demo_home, tmp_path):
+    """As the server (and vLLM's LLM): a greedy generation_config makes an unset temperature
+    greedy; a given one wins."""
+    model = tmp_path / "greedy"
+    shutil.copytree(os.path.join(demo_home, "models", "qwen3-moe-demo"), model)
+    (model / "generation_config.json").write_text('{"temperature": 0.0}')
+    llm = LLM(str(model))
+    greedy = llm.generate("Hello", max_tokens=8, temperature=0.0, ignore_eos=True)[0]
+    assert all(llm.generate("Hello", max_tokens=8, seed=s, ignore_eos=True)[0].token_ids
+               == greedy.token_ids for s in (1, 2))
+    sampled = {tuple(llm.generate("Hello", max_tokens=8, temperature=1.0, seed=s,
+                                  ignore_eos=True)[0].token_ids) for s in (1, 2, 3)}
+    assert sampled != {tuple(greedy.token_ids)}
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -54,6 +54,7 @@ class FakeBackend:
         self.names = ("echo", "busy", "broken", "crash", "flaky", "dies", "slow", "nan")
         self.abort_error: Exception | None = None
         self.defaults: dict[str, float | int] = {}      # generation_config.json's
+        self.last_request: Request | None = None
 
     def is_ready(self) -> bool:
         return self.ready
@@ -79,6 +80,7 @@ class FakeBackend:
 
     async def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
         rid = request.request_id
+        self.last_request = request
         if request.model == "busy":
             raise AdmissionError("queue full", retry_after_s=self.retry_after_s)
         if request.model == "crash":

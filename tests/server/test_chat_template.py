@@ -69,6 +69,9 @@ def test_chat_template_jinja_wins_over_the_config(folder):
     (folder / CHAT_TEMPLATE_FILE).write_text("{% for m in messages %}")        # broken
     with pytest.raises(Exception, match=CHAT_TEMPLATE_FILE):
         ChatTemplate.from_checkpoint(str(folder)).render(MESSAGES)
+    (folder / CHAT_TEMPLATE_FILE).unlink()                 # a folder of that name: skipped
+    (folder / CHAT_TEMPLATE_FILE).mkdir()
+    assert ChatTemplate.from_checkpoint(str(folder)).render(MESSAGES).startswith("config: ")
 
 
 def test_a_prompt_gets_the_post_processors_tokens_and_a_chat_none(folder):

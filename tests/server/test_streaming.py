@@ -111,3 +111,20 @@ def _tokens_counted(live) -> tuple[float, float]:
     return tuple(next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith(f'mox:{kind}_tokens_total{{model="{MODEL}"}}')), 0.0)
                  for kind in ("prompt", "generation"))
+
+
+def test_a_models_sampling_defaults_fill_what_a_request_leaves_out(fake, fake_backend):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    fake_backend.defaults = {"temperature": 0.25, "top_k": 7}
+    try:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]})):
+            status, _, _ = fake.request("POST", path, {"model": "echo", **body}, auth)
+            params = fake_backend.last_request.params
+            assert status == 200 and (params.temperature, params.top_k) == (0.25, 7)
+            status, _, _ = fake.request("POST", path, {"model": "echo", "top_k": 2, **body},
+                                        auth)
+            assert fake_backend.last_request.params.top_k == 2
+    finally:
+        fake_backend.defaults = {}
