@@ -19,16 +19,23 @@ from mox.tokenizer import Tokenizer
 INCOMPLETE_CHAR = "\ufffd"
 
 
+# Prompt tokens the first window starts with (vLLM's 5): a SentencePiece word's space shows
+# only after another token, so the output's first word keeps its space (" Paris", not "Paris")
+PROMPT_CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
+                 prompt_ids: list[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
-        self.token_ids: list[int] = []
+        # the output's tokens follow the prompt's tail, which is context, never text
+        self.token_ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self.decoded = ""           # every token's text so far (append-only)
         self.text = ""              # emitted so far: a prefix of `decoded`, before any stop
         self.stopped = False
         self._window = 0            # the window's first token: the last one already decoded
-        self._read = 0              # tokens up to here are in `decoded`
+        self._read = len(self.token_ids)    # tokens up to here are in `decoded`
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Add tokens; returns the newly complete text (empty while a character is split).

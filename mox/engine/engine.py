@@ -144,7 +144,7 @@ class Engine:
         params = replace(request.params, extra_eos=model.eos_token_ids)
         seq = Sequence(msgspec.structs.replace(request, params=params),
                        params.new_generator(model.device))
-        detok = (IncrementalDetokenizer(model.tokenizer, params.stop)
+        detok = (IncrementalDetokenizer(model.tokenizer, params.stop, prompt)
                  if model.tokenizer is not None else None)
         self._live[request.request_id] = _Live(seq, detok)
         self.scheduler.add(seq)

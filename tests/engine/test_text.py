@@ -50,6 +50,9 @@ def test_sentencepiece_text_streams_as_it_decodes_and_never_stalls(tmp_path):
                                  for i, t in enumerate(ids))
     hi = [257, 258]                          # "▁h", "i": its space only after a token
     assert stream(hi * 3) == tok.decode(hi * 3) == "hi hi hi"
+    # after a prompt, the output's first word keeps its space (decoded alone, it loses it)
+    detok = IncrementalDetokenizer(tok, stop=(), prompt_ids=hi)
+    assert "".join(detok.push([t]) for t in hi) == " hi" == tok.decode(hi * 2)[len("hi"):]
     # a special token decodes to nothing: the next word keeps its space
     assert stream([*hi, 259, *hi]) == tok.decode([*hi, 259, *hi]) == "hi hi"
     # a sampled byte turns the byte before it invalid: "I" (0x49) is out already, the decoder
