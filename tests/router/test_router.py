@@ -438,15 +438,19 @@ def test_a_checkpoint_json_file_that_is_not_an_object_fails_its_model(hf_checkpo
 
 
 def test_a_checkpoints_generation_config_sets_its_sampling_defaults(hf_checkpoints,
-                                                                    tmp_path):
+                                                                    tmp_path, caplog):
     model = tmp_path / "m"
     shutil.copytree(hf_checkpoints["olmoe"][0], model)
     (model / "generation_config.json").write_text(
-        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [5, 7]}')
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [5, 7],'
+        ' "repetition_penalty": 1.05, "min_p": 0.0}')
     router = Router({"m": str(model)}, RouterConfig(dtype="float32"))
     served = router.served("m")
     assert served.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert {5, 7} <= set(served.eos_token_ids)
+    # what mox has no sampler for is said, not dropped silently (min_p 0 is off)
+    said = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert len(said) == 1 and "repetition_penalty': 1.05" in said[0] and "min_p" not in said[0]
 
 
 def test_a_model_that_would_leave_another_no_room_is_refused_and_the_others_serve(
