@@ -25,7 +25,7 @@ from mox.pager import ModelPool
 from mox.router import ROUTER_POLICIES, Router, RouterConfig
 from mox.router.config import DEFAULT_DECODE_STEPS
 from mox.router.served_model import dense_nbytes, resolve_device, resolve_dtype
-from mox.sampling import SamplingParams
+from mox.sampling import SamplingParams, with_model_defaults
 from mox.tokenizer import Tokenizer
 from mox.units import parse_size
 
@@ -131,12 +131,11 @@ class LLM:
                  logprobs: bool = False) -> list[CompletionOutput]:
         """All prompts go to the engine at once and are batched together. Calls from several
         threads run one after another. `temperature`, `top_p`, `top_k` left None: the
-        checkpoint's generation_config.json values, else 1.0, 1.0 and -1 (as the server)."""
-        default = lambda value, name, fallback: (
-            self.sampling_defaults.get(name, fallback) if value is None else value)
+        checkpoint's generation_config.json values, else SamplingParams' own (as the server's)."""
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=default(temperature, "temperature", 1.0),
-            top_p=default(top_p, "top_p", 1.0), top_k=default(top_k, "top_k", -1), seed=seed,
+            max_tokens=max_tokens, seed=seed,
+            **with_model_defaults(self.sampling_defaults, temperature=temperature, top_p=top_p,
+                                  top_k=top_k),
             stop=() if stop is None else stop,
             stop_token_ids=() if stop_token_ids is None else stop_token_ids, ignore_eos=ignore_eos,
             logprobs=logprobs)

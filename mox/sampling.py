@@ -6,7 +6,8 @@ Legend: V vocab.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 
 import numpy as np
@@ -69,6 +70,16 @@ def generation_defaults(config: dict) -> dict[str, float | int]:
         elif name == "top_p" and isinstance(value, Real) and 0 < value <= 1:
             defaults[name] = float(value)
     return defaults
+
+
+def with_model_defaults(defaults: Mapping[str, float | int],
+                        **given: float | int | None) -> dict[str, float | int]:
+    """The sampling fields `given` (None: the caller left it out) over the model's
+    `defaults` (`generation_defaults`) over SamplingParams' own: one rule for the server's
+    requests and the offline API's."""
+    own = {f.name: f.default for f in fields(SamplingParams)}
+    return {name: defaults.get(name, own[name]) if value is None else value
+            for name, value in given.items()}
 
 
 @dataclass(frozen=True)

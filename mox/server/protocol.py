@@ -18,12 +18,11 @@ import msgspec
 
 from mox.errors import InvalidRequestError
 from mox.messages import MAX_MODEL_NAME
-from mox.sampling import SamplingParams
+from mox.sampling import SamplingParams, with_model_defaults
 from mox.server.limits import DEFAULT_LIMITS, ServerLimits
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's documented default for /v1/completions
 MAX_TEMPERATURE = 2.0                   # OpenAI's range is [0, 2]
-DEFAULT_TEMPERATURE = 1.0
 EMPTY: Mapping[str, float | int] = MappingProxyType({})      # no model defaults
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
@@ -201,12 +200,10 @@ def _params(body: _SamplingFields, max_tokens: int, logprobs: bool,
             max_tokens_param: str | None, defaults: Mapping[str, float | int]
             ) -> SamplingParams:
     """`defaults`: the model's (ServingBackend.sampling_defaults) for what the body omits."""
-    pick = lambda value, name, fallback: defaults.get(name, fallback) if value is None else value
     return SamplingParams(
         max_tokens=max_tokens, max_tokens_param=max_tokens_param,
-        temperature=pick(body.temperature, "temperature", DEFAULT_TEMPERATURE),
-        top_p=pick(body.top_p, "top_p", 1.0),
-        top_k=pick(body.top_k, "top_k", -1),
+        **with_model_defaults(defaults, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k),
         seed=body.seed, stop=() if body.stop is None else body.stop,
         stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
