@@ -24,6 +24,9 @@ SEED_RANGE = (-(2**63), 2**64 - 1)      # what torch.Generator.manual_seed accep
 # `--generation-config auto` applies the differences from GenerationConfig() (these values on
 # transformers 4; on 5 an explicit "top_k": 50 would count there, and does not here)
 GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+# ... and the fields mox has no sampler for, with the values that leave them off
+UNAPPLIED_GENERATION_FIELDS = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
+                               "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
 
 
 def _is_int(value: object) -> bool:
@@ -70,6 +73,12 @@ def generation_defaults(config: dict) -> dict[str, float | int]:
         elif name == "top_p" and isinstance(value, Real) and 0 < value <= 1:
             defaults[name] = float(value)
     return defaults
+
+
+def unapplied_generation_fields(config: dict) -> dict[str, object]:
+    """What a generation_config.json sets that mox cannot sample with (the server logs it)."""
+    return {name: config[name] for name, off in UNAPPLIED_GENERATION_FIELDS.items()
+            if config.get(name) not in (None, *off)}
 
 
 def with_model_defaults(defaults: Mapping[str, float | int],

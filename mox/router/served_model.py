@@ -26,14 +26,10 @@ from mox.models import MoEDecoder
 from mox.models.loading import load_model
 from mox.pager import ModelPool
 from mox.router.rates import ModelTraffic
-from mox.sampling import generation_defaults
+from mox.sampling import generation_defaults, unapplied_generation_fields
 from mox.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# sampling fields of generation_config.json mox has no sampler for, with the values that
-# leave them off: set otherwise, the model is served without them, and the log says so
-UNAPPLIED_GENERATION_FIELDS = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
-                               "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
 log = logging.getLogger("mox.router")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -81,8 +77,7 @@ def open_served(name: str, path: str, dtype: torch.dtype) -> ServedModel:
         log.exception("model %s: opening %s failed", name, path)
         return ServedModel(name, path, ModelState.FAILED,
                            error=f"{path}: cannot open: {type(e).__name__}: {e}")
-    unapplied = {k: generation[k] for k in UNAPPLIED_GENERATION_FIELDS
-                 if generation.get(k) not in (None, *UNAPPLIED_GENERATION_FIELDS[k])}
+    unapplied = unapplied_generation_fields(generation)
     if unapplied:
         log.warning("model %s: %s sets %s, which mox does not apply (vLLM would)", name,
                     generation_path, unapplied)
