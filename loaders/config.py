@@ -108,12 +108,13 @@ def eos_token_ids(config: dict[str, Any], path: str) -> tuple[int, ...]:
 
 
 def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = (),
-            windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] | None = None
-            ) -> dict[str, Any]:
+            windows: Callable[[dict[str, Any], int], tuple[int | None, ...]] | None = None,
+            clips_qkv: bool = False) -> dict[str, Any]:
     """Fields every architecture names alike. `quantizations`: the `quant_method`s this
     architecture's parser handles; any other quantized checkpoint is refused here.
     `windows`: its layers' sliding windows from the config (None: it has none, whatever
-    the config says, as its reference attends)."""
+    the config says, as its reference attends); `clips_qkv`: it reads `clip_qkv` (OLMoE
+    alone; the others' references ignore the field)."""
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(path, f"unsupported hidden_act {config['hidden_act']!r}")
     method = quantization_method(config)
@@ -135,7 +136,7 @@ def _common(config: dict[str, Any], path: str, quantizations: tuple[str, ...] = 
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
-        clip_qkv=None,
+        clip_qkv=config.get("clip_qkv") if clips_qkv else None,
         sliding_windows=(None,) * num_layers if windows is None else windows(config, num_layers),
         top_k=config["num_experts_per_tok"],
         eos_token_ids=eos_ids,
@@ -199,7 +200,7 @@ def _qwen3_moe(config: dict[str, Any], path: str) -> ModelSpec:
 def _olmoe(config: dict[str, Any], path: str) -> ModelSpec:
     bias = config.get("attention_bias", False)
     num_layers = config["num_hidden_layers"]
-    common = {**_common(config, path), "clip_qkv": config.get("clip_qkv")}   # OLMoE's alone
+    common = _common(config, path, clips_qkv=True)
     return ModelSpec(
         **common, rope=parse_rope(config, path, common["head_dim"]), qkv_bias=bias,
         o_bias=bias, qk_norm=QK_NORM_FULL,
