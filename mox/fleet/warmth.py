@@ -3,11 +3,14 @@ router ranks replicas for a request (pure functions, tested without Ray).
 
 A replica's report (its Ray Serve routing stats) is a plain dict:
 
-    {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62}}
+    {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62, "mixtral-demo": 0.0},
+     "cold_start": {"mixtral-demo": "wait"}}
 
 `warmth` of a model is 0 while its dense weights are off the replica, and 0.5 + half the
 share of its experts resident once they are on (a warm model with no expert in a slot still
-skips the dense load; every expert resident skips every read).
+skips the dense load; every expert resident skips every read). `cold_start` of a cold model
+is how a request for it would start there now (mox.router.memory_policy.ColdStart): at once,
+by parking idle models, or after a busy model's turn.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ QUEUE_PER_WARMTH = 8.0
 # A model's home replica (below) is worth this much warmth: two queued requests. Where the model
 # is warm nowhere, its cold start goes home unless the home's queue is much longer.
 HOME_WARMTH = 2 / QUEUE_PER_WARMTH
+# What a cold start costs beyond its reads, in warmth, by how it would start (ColdStart):
+# parking idle models costs their next requests a reload; waiting for a busy model's turn
+# costs up to TURN_S (5 s) and then drains that model, whose next requests start cold. A
+# request sent on from a replica where its model was warm but the queue was longer did that
+# in the bench (2 replicas, each half the budget, one bench model's run size nearly filling
+# it): the hot model's replica took a spilled request, drained the hot model for it within
+# 2.4 s and read it back 1.5 s later (bench/results/harness-ray-29).
+COLD_START_COST = {"now": 0.0, "park": 2 / QUEUE_PER_WARMTH, "wait": 1.0}
 
 
 def model_warmth(model: dict) -> float:
@@ -42,7 +53,9 @@ def replica_report(snapshot: dict) -> dict:
     """A router snapshot -> the routing stats a replica reports."""
     models = snapshot["models"]
     return {"queue": sum(m["running"] + m["waiting"] for m in models.values()),
-            "warmth": {name: model_warmth(m) for name, m in models.items()}}
+            "warmth": {name: model_warmth(m) for name, m in models.items()},
+            "cold_start": {name: m["cold_start"] for name, m in models.items()
+                           if "cold_start" in m}}
 
 
 @dataclass(frozen=True)
@@ -69,13 +82,16 @@ def home(candidates: Sequence[Candidate], model: str) -> Candidate:
 
 def score(candidate: Candidate, model: str, is_home: bool = False) -> float:
     """Higher is better: the model's warmth there (HOME_WARMTH more at its home), less the
-    queue it would wait behind. A replica that holds the model but has not reported it yet
+    queue it would wait behind, less what a cold start there would cost the replica's other
+    models (COLD_START_COST). A replica that holds the model but has not reported it yet
     counts half warm; once it reports, its report decides (a replica keeps every model it
     was sent in its set, parked or not)."""
     report = candidate.report or {}
     warmth = report.get("warmth", {}).get(model)
     if warmth is None:
         warmth = 0.5 if candidate.holds else 0.0
+    if warmth == 0.0:
+        warmth -= COLD_START_COST.get(report.get("cold_start", {}).get(model, "now"), 0.0)
     queue = candidate.queue if candidate.queue is not None else report.get("queue", 0)
     return warmth + (HOME_WARMTH if is_home else 0.0) - queue / QUEUE_PER_WARMTH
 

@@ -16,6 +16,7 @@ Interface:
     check_fits(view, name)  refuse, at registration, a model the budget can never run
     admit(view) -> Admitted       cold models with requests that may load now, and the idle
                                   models parked to make room for them
+    cold_start(view, name) -> ColdStart   how a request for a cold model would start now
     drain(view) -> model | None   a busy model to finish its running requests and leave, so
                                   a cold model that has waited gets a turn
     plan_slots(view) -> {model: slots}   for every model in the view, within the budget
@@ -28,6 +29,7 @@ out, LRU); `all-resident` loads everything at start-up and is the upper bound.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 
@@ -127,6 +129,15 @@ class MemoryPlan:
     preload: dict[str, int] = dataclasses.field(default_factory=dict)  # experts per load
 
 
+class ColdStart(str, enum.Enum):
+    """How a request for a cold model, arriving now, would start (`MemoryPolicy.cold_start`):
+    what a fleet's request router weighs against sending it where the model is warm."""
+
+    NOW = "now"            # its room is free
+    PARK = "park"          # by parking idle models, which their next requests read again
+    WAIT = "wait"          # after a busy model's turn (mox.router.memory_policy.TURN_S)
+
+
 class MemoryPolicy:
     eviction_policy = "rate"
     loads_whole_models = False
@@ -208,6 +219,15 @@ class MemoryPolicy:
             view = view.with_state(victim.name, ModelState.COLD)
             parked.append(victim.name)
         return Admitted(view, tuple(parked), (model.name,))
+
+    def cold_start(self, view: MemoryView, name: str) -> ColdStart:
+        """How a request for the cold model `name` would start if it arrived now: admission
+        as `admit` runs it, with the request counted."""
+        model = dataclasses.replace(_find(view, name), has_work=True, oldest_arrival=view.now)
+        room = self.make_room(view, model)
+        if not room.load:
+            return ColdStart.WAIT
+        return ColdStart.PARK if room.park else ColdStart.NOW
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)

@@ -52,6 +52,7 @@ from mox.router.admission import Admission
 from mox.router.config import RouterConfig
 from mox.router.memory_policy import (
     Admitted,
+    ColdStart,
     MemoryPlan,
     MemoryPolicy,
     MemoryView,
@@ -104,6 +105,7 @@ class Router:
         # driver sets it): it, or weights that landed, end a run of decode steps
         self.outside_waiting: Callable[[], bool] = lambda: False
         self._next_plan = -math.inf
+        self._cold_starts: dict[str, ColdStart] = {}     # as of the last plan
         for name, path in models.items():
             self.add_model(name, path, (settings or {}).get(name))
 
@@ -512,8 +514,12 @@ class Router:
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
-        """Every pool's slots from the policy (admission is `_try_start_loads`'s)."""
-        self._apply(MemoryPlan(self.policy.plan_slots(self._view())))
+        """Every pool's slots from the policy (admission is `_try_start_loads`'s), and how
+        each cold model would start now (`snapshot`'s `cold_start`)."""
+        view = self._view()
+        self._apply(MemoryPlan(self.policy.plan_slots(view)))
+        self._cold_starts = {m.name: self.policy.cold_start(view, m.name)
+                             for m in view.models if m.state == ModelState.COLD}
 
     def _apply(self, plan: MemoryPlan) -> None:
         """Parks, then the slots of every pool (the plan counts the loads' dense bytes), then
@@ -565,6 +571,8 @@ class Router:
                "token_rate": model.traffic.token_rate(now),
                "dense_resident": model.state == ModelState.WARM,
                "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
+        if model.state == ModelState.COLD:
+            out["cold_start"] = self._cold_start(model.name).value
         if model.pool is not None:
             pager = model.pool.stats()
             out["planned_slots"] = pager["num_slots"]
@@ -573,6 +581,13 @@ class Router:
         if host_bytes is not None:
             out["host_cache_bytes"] = host_bytes
         return out
+
+    def _cold_start(self, name: str) -> ColdStart:
+        """The last plan's outlook for a cold model; with nothing holding memory (and so no
+        plan since), its room is free."""
+        if not any(m.holds_device_memory for m in self.models.values()):
+            return ColdStart.NOW
+        return self._cold_starts.get(name, ColdStart.NOW)
 
     def shutdown(self) -> None:
         self._loader.shutdown()

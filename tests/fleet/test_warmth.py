@@ -36,11 +36,13 @@ def test_warmth_counts_dense_weights_then_resident_experts():
 def test_replica_report_sums_the_queue_over_models():
     snapshot = {"models": {"a": _model(True, 8, running=2, waiting=1),
                            "b": _model(False, waiting=4)}}
-    assert replica_report(snapshot) == {"queue": 7, "warmth": {"a": 1.0, "b": 0.0}}
+    snapshot["models"]["b"]["cold_start"] = "wait"
+    assert replica_report(snapshot) == {"queue": 7, "warmth": {"a": 1.0, "b": 0.0},
+                                        "cold_start": {"b": "wait"}}
 
 
-def _report(queue: int, **warmth: float) -> dict:
-    return {"queue": queue, "warmth": warmth}
+def _report(queue: int, cold_start: dict[str, str] | None = None, **warmth: float) -> dict:
+    return {"queue": queue, "warmth": warmth, "cold_start": cold_start or {}}
 
 
 def test_warm_on_another_looks_past_the_asking_replica():
@@ -87,6 +89,24 @@ def test_warm_elsewhere_beats_home_and_a_long_home_queue_sends_the_start_elsewhe
     assert rank(warm_away, model)[0] == ["r1"]
     busy_home = [Candidate("r0", _report(int(QUEUE_PER_WARMTH))), Candidate("r1", _report(0))]
     assert rank(busy_home, model)[0] == ["r1"]
+
+
+def test_a_cold_start_that_would_wait_for_a_busy_model_ranks_last():
+    # the queue that sends a warm model's request on to an idle replica ...
+    long_queue = int(2 * QUEUE_PER_WARMTH)
+    for outlook, spills in (("now", True), ("park", True), ("wait", False)):
+        candidates = [Candidate("warm", _report(long_queue, a=1.0)),
+                      Candidate("other", _report(0, {"a": outlook}, a=0.0))]
+        # ... does not send it where a busy model holds the room it needs
+        assert (rank(candidates, "a")[0] == ["other"]) == spills, outlook
+    # a model warm nowhere starts where it need not wait for a busy model's turn rather than
+    # at a home that must; where both must wait, at home
+    pair = [Candidate("r0", _report(0)), Candidate("r1", _report(0))]
+    model = next(f"m{i}" for i in range(100) if home(pair, f"m{i}").replica == "r0")
+    for r1, first in (("now", "r1"), ("park", "r1"), ("wait", "r0")):
+        candidates = [Candidate("r0", _report(0, {model: "wait"})),
+                      Candidate("r1", _report(0, {model: r1}))]
+        assert rank(candidates, model)[0] == [first], r1
 
 
 def test_a_replica_that_reports_the_model_parked_does_not_count_its_hold():
