@@ -4,18 +4,19 @@ router ranks replicas for a request (pure functions, tested without Ray).
 A replica's report (its Ray Serve routing stats) is a plain dict:
 
     {"queue": 3, "warmth": {"olmoe-demo": 1.0, "qwen3-moe-demo": 0.62, "mixtral-demo": 0.0},
-     "cold_start": {"mixtral-demo": "wait"}}
+     "cold_start_cost": {"mixtral-demo": 0.4}}
 
 `warmth` of a model is 0 while its dense weights are off the replica, and 0.5 + half the
 share of its experts resident once they are on (a warm model with no expert in a slot still
-skips the dense load; every expert resident skips every read). `cold_start` of a cold model
-is how a request for it would start there now (mox.router.memory_policy.ColdStart): at once,
-by parking idle models, or after a busy model's turn.
+skips the dense load; every expert resident skips every read). `cold_start_cost` of a cold
+model is what a request for it would cost the replica's other models if it started there now
+(`cold_start_cost`), in the same unit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -28,14 +29,20 @@ QUEUE_PER_WARMTH = 8.0
 # A model's home replica (below) is worth this much warmth: two queued requests. Where the model
 # is warm nowhere, its cold start goes home unless the home's queue is much longer.
 HOME_WARMTH = 2 / QUEUE_PER_WARMTH
-# What a cold start costs beyond its reads, in warmth, by how it would start (ColdStart):
-# parking idle models costs their next requests a reload; waiting for a busy model's turn
-# costs up to TURN_S (5 s) and then drains that model, whose next requests start cold. A
+# What a cold start costs the replica's other models, in warmth. Waiting for a busy model's
+# turn costs up to TURN_S (5 s) and then drains that model, whose next requests start cold. A
 # request sent on from a replica where its model was warm but the queue was longer did that
 # in the bench (2 replicas, each half the budget, one bench model's run size nearly filling
-# it): the hot model's replica took a spilled request, drained the hot model for it within
+# it): the hot model's replica took the spilled request, drained the hot model for it within
 # 2.4 s and read it back 1.5 s later (bench/results/harness-ray-29).
-COLD_START_COST = {"now": 0.0, "park": 2 / QUEUE_PER_WARMTH, "wait": 1.0}
+WAIT_COST = 1.0
+# Parking idle models costs the chance that a request for one comes within this long, each
+# such request a cold start: a model at 0.1 req/s costs nearly a whole one, a model asked for
+# once in four minutes an eighth. (In the bench a model stayed warm on a replica 47 s from
+# load to park, the median of 30; a third stayed under 30 s: harness-ray-30 to -32.) Priced
+# flat, at a quarter, a rare model's start parked the second busiest one (harness-ray-32, at
+# 167 s).
+PARK_HORIZON_S = 30.0
 
 
 def model_warmth(model: dict) -> float:
@@ -54,8 +61,19 @@ def replica_report(snapshot: dict) -> dict:
     models = snapshot["models"]
     return {"queue": sum(m["running"] + m["waiting"] for m in models.values()),
             "warmth": {name: model_warmth(m) for name, m in models.items()},
-            "cold_start": {name: m["cold_start"] for name, m in models.items()
-                           if "cold_start" in m}}
+            "cold_start_cost": {name: cold_start_cost(m["cold_start"], models)
+                                for name, m in models.items() if "cold_start" in m}}
+
+
+def cold_start_cost(start: dict, models: dict) -> float:
+    """A cold model's `cold_start` (mox.router.Router.snapshot) -> what starting it now costs
+    the replica's other models, in warmth: WAIT_COST if it waits for a busy model's turn,
+    else the chance that a model it parks is asked for within PARK_HORIZON_S."""
+    if start["waits"]:
+        return WAIT_COST
+    rate = sum(models[name].get("request_rate", 0.0) for name in start["parks"]
+               if name in models)
+    return 1.0 - math.exp(-rate * PARK_HORIZON_S)
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,7 @@ def home(candidates: Sequence[Candidate], model: str) -> Candidate:
 def score(candidate: Candidate, model: str, is_home: bool = False) -> float:
     """Higher is better: the model's warmth there (HOME_WARMTH more at its home), less the
     queue it would wait behind, less what a cold start there would cost the replica's other
-    models (COLD_START_COST). A replica that holds the model but has not reported it yet
+    models (`cold_start_cost`). A replica that holds the model but has not reported it yet
     counts half warm; once it reports, its report decides (a replica keeps every model it
     was sent in its set, parked or not)."""
     report = candidate.report or {}
@@ -91,7 +109,7 @@ def score(candidate: Candidate, model: str, is_home: bool = False) -> float:
     if warmth is None:
         warmth = 0.5 if candidate.holds else 0.0
     if warmth == 0.0:
-        warmth -= COLD_START_COST.get(report.get("cold_start", {}).get(model, "now"), 0.0)
+        warmth -= report.get("cold_start_cost", {}).get(model, 0.0)
     queue = candidate.queue if candidate.queue is not None else report.get("queue", 0)
     return warmth + (HOME_WARMTH if is_home else 0.0) - queue / QUEUE_PER_WARMTH
 

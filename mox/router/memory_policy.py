@@ -29,7 +29,6 @@ out, LRU); `all-resident` loads everything at start-up and is the upper bound.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from dataclasses import dataclass
 
@@ -129,13 +128,13 @@ class MemoryPlan:
     preload: dict[str, int] = dataclasses.field(default_factory=dict)  # experts per load
 
 
-class ColdStart(str, enum.Enum):
+@dataclass(frozen=True)
+class ColdStart:
     """How a request for a cold model, arriving now, would start (`MemoryPolicy.cold_start`):
     what a fleet's request router weighs against sending it where the model is warm."""
 
-    NOW = "now"            # its room is free
-    PARK = "park"          # by parking idle models, which their next requests read again
-    WAIT = "wait"          # after a busy model's turn (mox.router.memory_policy.TURN_S)
+    waits: bool = False             # for a busy model's turn (TURN_S), which then drains it
+    parks: tuple[str, ...] = ()     # idle models it parks, whose next requests read them again
 
 
 class MemoryPolicy:
@@ -225,9 +224,7 @@ class MemoryPolicy:
         as `admit` runs it, with the request counted."""
         model = dataclasses.replace(_find(view, name), has_work=True, oldest_arrival=view.now)
         room = self.make_room(view, model)
-        if not room.load:
-            return ColdStart.WAIT
-        return ColdStart.PARK if room.park else ColdStart.NOW
+        return ColdStart(parks=room.park) if room.load else ColdStart(waits=True)
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)

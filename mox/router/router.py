@@ -572,7 +572,8 @@ class Router:
                "dense_resident": model.state == ModelState.WARM,
                "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
         if model.state == ModelState.COLD:
-            out["cold_start"] = self._cold_start(model.name).value
+            start = self._cold_start(model.name)
+            out["cold_start"] = {"waits": start.waits, "parks": list(start.parks)}
         if model.pool is not None:
             pager = model.pool.stats()
             out["planned_slots"] = pager["num_slots"]
@@ -586,8 +587,8 @@ class Router:
         """The last plan's outlook for a cold model; with nothing holding memory (and so no
         plan since), its room is free."""
         if not any(m.holds_device_memory for m in self.models.values()):
-            return ColdStart.NOW
-        return self._cold_starts.get(name, ColdStart.NOW)
+            return ColdStart()
+        return self._cold_starts.get(name, ColdStart())
 
     def shutdown(self) -> None:
         self._loader.shutdown()

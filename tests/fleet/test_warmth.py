@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from mox.fleet.messages import request_fields
 from mox.fleet.warmth import (
     QUEUE_PER_WARMTH,
+    WAIT_COST,
     Candidate,
+    cold_start_cost,
     fleet_model_states,
     home,
     model_warmth,
@@ -36,13 +38,23 @@ def test_warmth_counts_dense_weights_then_resident_experts():
 def test_replica_report_sums_the_queue_over_models():
     snapshot = {"models": {"a": _model(True, 8, running=2, waiting=1),
                            "b": _model(False, waiting=4)}}
-    snapshot["models"]["b"]["cold_start"] = "wait"
+    snapshot["models"]["b"]["cold_start"] = {"waits": True, "parks": []}
     assert replica_report(snapshot) == {"queue": 7, "warmth": {"a": 1.0, "b": 0.0},
-                                        "cold_start": {"b": "wait"}}
+                                        "cold_start_cost": {"b": WAIT_COST}}
 
 
-def _report(queue: int, cold_start: dict[str, str] | None = None, **warmth: float) -> dict:
-    return {"queue": queue, "warmth": warmth, "cold_start": cold_start or {}}
+def test_parking_costs_by_the_parked_models_traffic():
+    models = {"busy": {"request_rate": 0.1}, "rare": {"request_rate": 1 / 240}, "new": {}}
+    assert cold_start_cost({"waits": False, "parks": []}, models) == 0.0
+    busy = cold_start_cost({"waits": False, "parks": ["busy"]}, models)
+    rare = cold_start_cost({"waits": False, "parks": ["rare"]}, models)
+    both = cold_start_cost({"waits": False, "parks": ["busy", "rare", "new"]}, models)
+    assert 0.0 < rare < 0.2 < 0.9 < busy < both < WAIT_COST
+    assert cold_start_cost({"waits": True, "parks": []}, models) == WAIT_COST
+
+
+def _report(queue: int, costs: dict[str, float] | None = None, **warmth: float) -> dict:
+    return {"queue": queue, "warmth": warmth, "cold_start_cost": costs or {}}
 
 
 def test_warm_on_another_looks_past_the_asking_replica():
@@ -91,20 +103,20 @@ def test_warm_elsewhere_beats_home_and_a_long_home_queue_sends_the_start_elsewhe
     assert rank(busy_home, model)[0] == ["r1"]
 
 
-def test_a_cold_start_that_would_wait_for_a_busy_model_ranks_last():
+def test_a_cold_start_that_would_cost_the_replicas_other_models_ranks_lower():
     # the queue that sends a warm model's request on to an idle replica ...
     long_queue = int(2 * QUEUE_PER_WARMTH)
-    for outlook, spills in (("now", True), ("park", True), ("wait", False)):
+    for cost, spills in ((0.0, True), (0.1, True), (WAIT_COST, False)):
         candidates = [Candidate("warm", _report(long_queue, a=1.0)),
-                      Candidate("other", _report(0, {"a": outlook}, a=0.0))]
-        # ... does not send it where a busy model holds the room it needs
-        assert (rank(candidates, "a")[0] == ["other"]) == spills, outlook
-    # a model warm nowhere starts where it need not wait for a busy model's turn rather than
-    # at a home that must; where both must wait, at home
+                      Candidate("other", _report(0, {"a": cost}, a=0.0))]
+        # ... does not send it where it would wait for a busy model or park a busy one
+        assert (rank(candidates, "a")[0] == ["other"]) == spills, cost
+    # a model warm nowhere starts where it costs the others least rather than at a home
+    # where it must wait; where both cost alike, at home
     pair = [Candidate("r0", _report(0)), Candidate("r1", _report(0))]
     model = next(f"m{i}" for i in range(100) if home(pair, f"m{i}").replica == "r0")
-    for r1, first in (("now", "r1"), ("park", "r1"), ("wait", "r0")):
-        candidates = [Candidate("r0", _report(0, {model: "wait"})),
+    for r1, first in ((0.0, "r1"), (0.5, "r1"), (WAIT_COST, "r0")):
+        candidates = [Candidate("r0", _report(0, {model: WAIT_COST})),
                       Candidate("r1", _report(0, {model: r1}))]
         assert rank(candidates, model)[0] == [first], r1
 

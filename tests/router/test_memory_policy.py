@@ -165,21 +165,21 @@ def test_a_budget_that_can_never_run_a_model_is_refused(policy, budget, match):
         make_memory_policy(policy).check_fits(v, "a")
 
 
-def test_cold_start_says_whether_a_request_would_start_now_park_or_wait():
+def test_cold_start_says_whether_a_request_would_wait_and_what_it_would_park():
     # "uniform" runs well only with nearly all 16 experts: one run size fits the budget
     budget = 2 * DENSE + ALL * EXPERT
     cold = model("cold", ModelState.COLD, curve=UNIFORM)
     rate = make_memory_policy("rate")
-    assert rate.cold_start(view(budget, cold), "cold") == ColdStart.NOW
+    assert rate.cold_start(view(budget, cold), "cold") == ColdStart()
     # an idle model at its minimum leaves no room: it is parked (its next request reads it
     # again)
     idle = model("idle", curve=UNIFORM, slots=ALL, rate=1.0)
-    assert rate.cold_start(view(budget, idle, cold), "cold") == ColdStart.PARK
+    assert rate.cold_start(view(budget, idle, cold), "cold") == ColdStart(parks=("idle",))
     # a busy model holds its run size: the request waits for its turn
     busy = dataclasses.replace(idle, has_work=True)
-    assert rate.cold_start(view(budget, busy, cold), "cold") == ColdStart.WAIT
+    assert rate.cold_start(view(budget, busy, cold), "cold") == ColdStart(waits=True)
     # ... unless the budget holds both run sizes
-    assert rate.cold_start(view(2 * budget, busy, cold), "cold") == ColdStart.NOW
+    assert rate.cold_start(view(2 * budget, busy, cold), "cold") == ColdStart()
     # the outlook is admission's: the same view with the request counted admits it or not
     for v, outlook in ((view(budget, idle, cold), True), (view(budget, busy, cold), False)):
         waiting = dataclasses.replace(v.models[-1], has_work=True, oldest_arrival=0.0)
