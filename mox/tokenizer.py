@@ -62,9 +62,8 @@ class Tokenizer:
         return cls(path) if os.path.lexists(path) else None
 
     def _token_id(self, token: str | dict | None) -> int | None:
-        if isinstance(token, dict):        # older configs store AddedToken dicts
-            token = token.get("content")
-        return self._tok.token_to_id(token) if isinstance(token, str) else None
+        text = token_text(token)
+        return self._tok.token_to_id(text) if text is not None else None
 
     def control_text(self, text: str) -> str | None:
         """The first control token's text found in `text` (None: none): encoded, it would
@@ -98,6 +97,14 @@ class Tokenizer:
                 return (bytes([int(byte.group(1), 16)]) if byte
                         else piece.replace(SENTENCEPIECE_SPACE, " ").encode())
         return self.decode([token_id]).encode()
+
+
+def token_text(token: str | dict | None) -> str | None:
+    """A special token as tokenizer_config.json gives it -> its text (older configs store
+    AddedToken dicts, {"content": ...}); None for anything else."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def _piece_kind(tok: HFTokenizer) -> str:

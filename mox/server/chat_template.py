@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mox.errors import InvalidRequestError
 from mox.loaders.json_files import read_json_object
-from mox.tokenizer import TOKENIZER_CONFIG_FILE
+from mox.tokenizer import TOKENIZER_CONFIG_FILE, token_text
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE_NAME = "default"
@@ -133,15 +133,10 @@ def _special_tokens(config: dict) -> dict[str, object]:
     """The special tokens' text (older configs store AddedToken dicts), and the additional
     ones as a list, as transformers passes its special-tokens map."""
     tokens: dict[str, object] = {key: text for key in SPECIAL_TOKENS
-                                 if (text := _token_text(config.get(key))) is not None}
+                                 if (text := token_text(config.get(key))) is not None}
     additional = config.get("additional_special_tokens")
     if isinstance(additional, list):
-        tokens["additional_special_tokens"] = [t for t in map(_token_text, additional)
+        tokens["additional_special_tokens"] = [t for t in map(token_text, additional)
                                                if t is not None]
     return tokens
 
-
-def _token_text(token: str | dict | None) -> str | None:
-    if isinstance(token, dict):
-        token = token.get("content")
-    return token if isinstance(token, str) else None
