@@ -11,7 +11,7 @@ import numpy as np
 
 from mox.bench.loadtest.cold_starts import table as cold_start_table
 from mox.bench.loadtest.plots import MiB, plot_suite
-from mox.bench.loadtest.results_schema import Results, Suite, Target
+from mox.bench.loadtest.results_schema import PolicyResult, Results, Suite, Target
 from mox.bench.loadtest.routing_stats import RoutingStats
 from mox.bench.loadtest.step_summary import table as step_table
 from mox.bench.loadtest.tail import decode_table, ttft_table
@@ -121,7 +121,17 @@ def _one_process_warm(suite: Suite) -> str:
         return ""
     warm, cold = rate.latency.warm_ttft.count, rate.latency.cold_ttft.count
     return (f" In one process (rate, the whole budget) {warm / (warm + cold):.0%} found their "
-            "model warm." if warm + cold else "")
+            f"model warm{_past_first_touches(rate, warm)}." if warm + cold else "")
+
+
+def _past_first_touches(p: PolicyResult, warm: int) -> str:
+    """`warm` of p's requests found their model warm: the share of those sent after their
+    model's first token (the others could find it warm nowhere)."""
+    first, sent = p.first_touches, len(p.requests)
+    if not first or sent <= first:
+        return ""
+    return (f" ({warm / (sent - first):.0%} of the {sent - first} sent after their model's "
+            "first token)")
 
 
 def fleet_table(suite: Suite) -> list[str]:
@@ -133,11 +143,15 @@ def fleet_table(suite: Suite) -> list[str]:
             continue
         warm, held, routed = (f"{s:.0%}" if s is not None else "-"
                               for s in (p.warm_share, p.held_share, p.routed_warm_share))
+        landed_warm = sum(n for r in p.replicas for n in r.landed_warm.values())
         lines += [f"{p.policy}: {warm} of requests landed on a replica where their model was "
-                  f"warm (dense weights on), {held} on one that held it (in its multiplexed "
-                  "set; the budget may have parked it there). Of the requests whose model "
-                  "was warm on some replica (by the replicas' reports, up to two seconds old), "
-                  f"{routed} landed where it was warm; the others' models were warm nowhere."
+                  f"warm (dense weights on){_past_first_touches(p, landed_warm)}, {held} on "
+                  "one that held it (in its multiplexed set; the budget may have parked it "
+                  f"there). {p.first_touches} were sent before any request of their model had "
+                  "its first token: no replica had it warm for them. Of the requests whose "
+                  "model was warm on some replica (by the replicas' reports, up to two seconds "
+                  f"old), {routed} landed where it was warm; the others' models were warm "
+                  "nowhere."
                   + _one_process_warm(suite), "",
                   "| replica | requests landed (warm / held / all) per model | warmth at the end |",
                   "|---|---|---|"]

@@ -182,6 +182,17 @@ class PolicyResult(msgspec.Struct, kw_only=True):
         could = warm + sum(n for r in self.replicas for n in r.landed_warm_elsewhere.values())
         return warm / could if could else None
 
+    @property
+    def first_touches(self) -> int:
+        """Requests sent before any request of their model had its first token: no server
+        could have had that model warm for them (the workload's floor on cold starts)."""
+        first_token: dict[str, float] = {}
+        for r in self.requests:
+            if r.ttft_s is not None:
+                t = r.sent_s + r.ttft_s
+                first_token[r.model] = min(t, first_token.get(r.model, t))
+        return sum(r.sent_s <= first_token.get(r.model, float("inf")) for r in self.requests)
+
     def _landing_share(self, field: str) -> float | None:
         landed = sum(n for r in self.replicas for n in r.landed.values())
         found = sum(n for r in self.replicas for n in getattr(r, field).values())

@@ -319,3 +319,24 @@ def test_an_expert_major_suite_repacks_its_models_in_place_once(tmp_path):
         mtime = os.stat(os.path.join(path, "config.json")).st_mtime_ns
         assert plan_suite(config, 0.0).models[name] == path
         assert os.stat(os.path.join(path, "config.json")).st_mtime_ns == mtime
+
+
+def test_requests_sent_before_their_models_first_token_are_first_touches():
+    from mox.bench.loadtest.report import fleet_table
+    from mox.bench.loadtest.results_schema import ReplicaResult, RequestRecord, Workload
+
+    def sent(model: str, at: float, ttft: float | None) -> RequestRecord:
+        return RequestRecord(0, model, at, at, False, 4, 4, ttft is not None, ttft_s=ttft)
+
+    # a's first token comes at 1.0: the request sent at 0.5 could find it warm nowhere, the
+    # one at 2.0 could; b's only request failed, so it never had a first token
+    requests = [sent("a", 0.0, 1.0), sent("a", 0.5, 0.6), sent("a", 2.0, 0.1),
+                sent("b", 0.2, None)]
+    replicas = [ReplicaResult("r0", {"a": 3, "b": 1}, {"a": 1}, {"a": 1.0}, {"a": 3}, {})]
+    fleet = PolicyResult(policy="rate-ray2", requests=requests, replicas=replicas)
+    assert fleet.first_touches == 3
+    suite = Suite("uniform", 0.0, ["a", "b"], 0, 0, 0, Workload(4, 1.0, 4, 4, {}), None,
+                  [fleet], [])
+    line = fleet_table(suite)[0]
+    assert "25% of requests landed" in line and "(100% of the 1 sent after" in line
+    assert "3 were sent before" in line
