@@ -36,12 +36,15 @@ HOME_WARMTH = 2 / QUEUE_PER_WARMTH
 # it): the hot model's replica took the spilled request, drained the hot model for it within
 # 2.4 s and read it back 1.5 s later (bench/results/harness-ray-29).
 WAIT_COST = 1.0
-# Parking idle models costs the chance that a request for one comes within this long, each
-# such request a cold start: a model at 0.1 req/s costs nearly a whole one, a model asked for
-# once in four minutes an eighth. (In the bench a model stayed warm on a replica 47 s from
+# Parking an idle model, or shrinking its pool, costs the chance that a request for it comes
+# within this long, times the share of it evicted (which that request reads again): a model
+# at 0.1 req/s parked costs nearly a whole cold start, a model asked for once in four minutes
+# an eighth. (In the bench a model stayed warm on a replica 47 s from
 # load to park, the median of 30; a third stayed under 30 s: harness-ray-30 to -32.) Priced
 # flat, at a quarter, a rare model's start parked the second busiest one (harness-ray-32, at
-# 167 s).
+# 167 s); with parks alone priced, the two busiest models shared a replica, each start of one
+# shrinking the other's pool, while the other replica served the rest (harness-ray-36: 0.72x
+# of one process's goodput).
 PARK_HORIZON_S = 30.0
 
 
@@ -68,12 +71,15 @@ def replica_report(snapshot: dict) -> dict:
 def cold_start_cost(start: dict, models: dict) -> float:
     """A cold model's `cold_start` (mox.router.Router.snapshot) -> what starting it now costs
     the replica's other models, in warmth: WAIT_COST if it waits for a busy model's turn,
-    else the chance that a model it parks is asked for within PARK_HORIZON_S."""
+    else, for each model it parks or whose pool it shrinks, the share of that model it
+    evicts times the chance that it is asked for within PARK_HORIZON_S (at most WAIT_COST)."""
     if start["waits"]:
         return WAIT_COST
-    rate = sum(models[name].get("request_rate", 0.0) for name in start["parks"]
-               if name in models)
-    return 1.0 - math.exp(-rate * PARK_HORIZON_S)
+    evicted = {**dict.fromkeys(start["parks"], 1.0), **start.get("squeezes", {})}
+    cost = sum(share * (1.0 - math.exp(-models[name].get("request_rate", 0.0)
+                                       * PARK_HORIZON_S))
+               for name, share in evicted.items() if name in models)
+    return min(WAIT_COST, cost)
 
 
 @dataclass(frozen=True)

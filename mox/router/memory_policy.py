@@ -135,6 +135,9 @@ class ColdStart:
 
     waits: bool = False             # for a busy model's turn (TURN_S), which then drains it
     parks: tuple[str, ...] = ()     # idle models it parks, whose next requests read them again
+    # idle models whose pools it shrinks, with the share of each pool it takes: their next
+    # requests read that share again
+    squeezes: tuple[tuple[str, float], ...] = ()
 
 
 class MemoryPolicy:
@@ -224,7 +227,28 @@ class MemoryPolicy:
         as `admit` runs it, with the request counted."""
         model = dataclasses.replace(_find(view, name), has_work=True, oldest_arrival=view.now)
         room = self.make_room(view, model)
-        return ColdStart(parks=room.park) if room.load else ColdStart(waits=True)
+        if not room.load:
+            return ColdStart(waits=True)
+        return ColdStart(parks=room.park, squeezes=self._squeezes(room.view, model))
+
+    def _squeezes(self, view: MemoryView, model: ModelView) -> tuple[tuple[str, float], ...]:
+        """The idle pools that would give `model` the room it takes beyond what is free now
+        (least valued first, as parking goes), with the share of each pool taken."""
+        budget = self.budget(view)
+        if budget is None:
+            return ()
+        used = sum(m.dense_nbytes + m.num_slots * m.expert_nbytes for m in view.holding())
+        short = used + self.admission_bytes(model, budget) - budget
+        squeezes = []
+        for m in sorted((m for m in view.holding() if m.is_idle_warm), key=self.park_order):
+            if short <= 0:
+                break
+            pool = m.num_slots * m.expert_nbytes
+            taken = min(short, max(0, m.num_slots - m.top_k) * m.expert_nbytes)
+            if taken:
+                squeezes.append((m.name, taken / pool))
+                short -= taken
+        return tuple(squeezes)
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)

@@ -573,7 +573,8 @@ class Router:
                "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
         if model.state == ModelState.COLD:
             start = self._cold_start(model.name)
-            out["cold_start"] = {"waits": start.waits, "parks": list(start.parks)}
+            out["cold_start"] = {"waits": start.waits, "parks": list(start.parks),
+                                 "squeezes": dict(start.squeezes)}
         if model.pool is not None:
             pager = model.pool.stats()
             out["planned_slots"] = pager["num_slots"]

@@ -58,7 +58,8 @@ class ServingBackend(Protocol):
                                      "page_in_buckets", "page_in_counts"}}},
          "device_budget_bytes": int | None, "device_used_bytes": int}
       A cold model also has "cold_start": how a request for it would start now,
-      {"waits": bool (for a busy model's turn), "parks": [idle models it would park]}.
+      {"waits": bool (for a busy model's turn), "parks": [idle models it would park],
+       "squeezes": {idle model: share of its expert pool the start would take}}.
       Any per-model key may be missing (a cold model has no "pager"); what is missing is not
       reported. Called from the scrape handler on the event loop, while the engine steps on
       its own thread: it must be cheap and safe to call from there.

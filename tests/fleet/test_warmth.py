@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,8 +50,12 @@ def test_parking_costs_by_the_parked_models_traffic():
     busy = cold_start_cost({"waits": False, "parks": ["busy"]}, models)
     rare = cold_start_cost({"waits": False, "parks": ["rare"]}, models)
     both = cold_start_cost({"waits": False, "parks": ["busy", "rare", "new"]}, models)
-    assert 0.0 < rare < 0.2 < 0.9 < busy < both < WAIT_COST
+    assert 0.0 < rare < 0.2 < 0.9 < busy < WAIT_COST
+    assert both == WAIT_COST                   # at most what waiting for a turn costs
     assert cold_start_cost({"waits": True, "parks": []}, models) == WAIT_COST
+    # shrinking a pool by half costs half of parking its model
+    half = cold_start_cost({"waits": False, "parks": [], "squeezes": {"busy": 0.5}}, models)
+    assert half == pytest.approx(busy / 2)
 
 
 def _report(queue: int, costs: dict[str, float] | None = None, **warmth: float) -> dict:

@@ -180,6 +180,14 @@ def test_cold_start_says_whether_a_request_would_wait_and_what_it_would_park():
     assert rate.cold_start(view(budget, busy, cold), "cold") == ColdStart(waits=True)
     # ... unless the budget holds both run sizes
     assert rate.cold_start(view(2 * budget, busy, cold), "cold") == ColdStart()
+    # room for the idle model's minimum beside the run size, not for its whole pool: the
+    # start shrinks that pool by what it takes beyond the free room
+    roomier = budget + ALL // 2 * EXPERT
+    squeezed = rate.cold_start(view(roomier, idle, cold), "cold")
+    need = rate.admission_bytes(dataclasses.replace(cold, has_work=True), roomier)
+    short = DENSE + ALL * EXPERT + need - roomier
+    assert squeezed == ColdStart(squeezes=(("idle", short / (ALL * EXPERT)),))
+    assert 0 < short < ALL * EXPERT
     # the outlook is admission's: the same view with the request counted admits it or not
     for v, outlook in ((view(budget, idle, cold), True), (view(budget, busy, cold), False)):
         waiting = dataclasses.replace(v.models[-1], has_work=True, oldest_arrival=0.0)

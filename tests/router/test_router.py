@@ -147,7 +147,8 @@ def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
     router = _router(hf_checkpoints, names=("a", "b", "c"), clock=clock, experts=32,
                      settings={"b": ModelSettings(pin=True)})
     # nothing holds memory
-    assert router.snapshot()["models"]["c"]["cold_start"] == {"waits": False, "parks": []}
+    assert router.snapshot()["models"]["c"]["cold_start"] == {"waits": False, "parks": [],
+                                                              "squeezes": {}}
     # long enough to still run at the turn however many steps it took while b loaded (b's
     # load runs on its own thread in real time, a decodes meanwhile: 60 tokens were sometimes
     # done before the turn, and a with no work is no victim)
@@ -157,7 +158,8 @@ def test_a_cold_model_waits_for_room_then_gets_a_turn(hf_checkpoints):
          and len(outs.get("b-long", [])) >= 3)
     # what the replica reports to a fleet's request router: c would wait for a's turn
     router.replan()
-    assert router.snapshot()["models"]["c"]["cold_start"] == {"waits": True, "parks": []}
+    assert router.snapshot()["models"]["c"]["cold_start"] == {"waits": True, "parks": [],
+                                                              "squeezes": {}}
     assert "cold_start" not in router.snapshot()["models"]["a"]
     router.add_request(Request("c-1", "c", [7, 8], _params(4)))
     # c's curve is unknown, so it runs only with every expert: it waits rather than squeeze
