@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 
@@ -143,3 +144,10 @@ def byte_fallback_tokenizer(folder) -> str:
     hf.save(path)
     return path
 
+
+
+def default_sigint() -> None:
+    """A `Popen(preexec_fn=...)` for a child the test stops with SIGINT: it takes Ctrl-C as
+    under a terminal even when the test run itself was started in the background, where
+    the shell starts it with SIGINT ignored (and the child would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

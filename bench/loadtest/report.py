@@ -125,13 +125,14 @@ def _one_process_warm(suite: Suite) -> str:
 
 
 def _past_first_touches(p: PolicyResult, warm: int) -> str:
-    """`warm` of p's requests found their model warm: the share of those sent after their
-    model's first token (the others could find it warm nowhere)."""
+    """`warm` of p's requests found their model warm: as a share of those sent after their
+    model's first token (the others could find it warm nowhere, though one sent after its
+    dense weights landed may have: the share is capped at 1)."""
     first, sent = p.first_touches, len(p.requests)
     if not first or sent <= first:
         return ""
-    return (f" ({warm / (sent - first):.0%} of the {sent - first} sent after their model's "
-            "first token)")
+    return (f" ({min(warm, sent - first) / (sent - first):.0%} of the {sent - first} sent "
+            "after their model's first token)")
 
 
 def fleet_table(suite: Suite) -> list[str]:

@@ -6,6 +6,8 @@ fresher than the stats' during a burst. A model warm nowhere starts at its home 
 
 from __future__ import annotations
 
+import logging
+
 from ray.serve.request_router import (
     MultiplexMixin,
     PendingRequest,
@@ -14,6 +16,8 @@ from ray.serve.request_router import (
 )
 
 from mox.fleet.warmth import Candidate, rank
+
+log = logging.getLogger("mox.fleet")
 
 
 class WarmFirstRouter(MultiplexMixin, RequestRouter):
@@ -33,9 +37,23 @@ class WarmFirstRouter(MultiplexMixin, RequestRouter):
             # when every replica is full, wait before probing again (Ray's multiplex and
             # locality helpers set this; this router uses neither)
             pending_request.routing_context.should_backoff = True
-        candidates = [Candidate(r, r.routing_stats or None, model in r.multiplexed_model_ids,
-                                len(r.multiplexed_model_ids),
-                                self.replica_queue_len_cache.get(r.replica_id),
-                                r.replica_id.unique_id)
-                      for r in candidate_replicas]
-        return rank(candidates, model)
+        try:
+            candidates = [Candidate(r, r.routing_stats or None,
+                                    model in r.multiplexed_model_ids,
+                                    len(r.multiplexed_model_ids),
+                                    self.replica_queue_len_cache.get(r.replica_id),
+                                    r.replica_id.unique_id)
+                          for r in candidate_replicas]
+            return rank(candidates, model)
+        except Exception:  # noqa: BLE001 - Ray would drop the request's routing task
+            # (it logs and moves on, and only FIFOMixin's matching would ever place the
+            # request after that): any replica beats a request left pending for ever
+            log.exception("ranking replicas for %r failed; any replica will do", model)
+            return [list(candidate_replicas)]
+
+    def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
+        """Ray indexes pending requests by id and by multiplexed model id. The model index
+        is read, and emptied, only by FIFOMixin's matching, so without it every request ever
+        routed would stay in it: index by id alone."""
+        self._pending_requests_by_id.setdefault(pending_request.metadata.internal_request_id,
+                                                pending_request)

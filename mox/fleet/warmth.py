@@ -38,13 +38,12 @@ HOME_WARMTH = 2 / QUEUE_PER_WARMTH
 WAIT_COST = 1.0
 # Parking an idle model, or shrinking its pool, costs the chance that a request for it comes
 # within this long, times the share of it evicted (which that request reads again): a model
-# at 0.1 req/s parked costs nearly a whole cold start, a model asked for once in four minutes
-# an eighth. (In the bench a model stayed warm on a replica 47 s from
-# load to park, the median of 30; a third stayed under 30 s: harness-ray-30 to -32.) Priced
-# flat, at a quarter, a rare model's start parked the second busiest one (harness-ray-32, at
-# 167 s); with parks alone priced, the two busiest models shared a replica, each start of one
-# shrinking the other's pool, while the other replica served the rest (harness-ray-36: 0.72x
-# of one process's goodput).
+# at 0.1 req/s parked costs nearly a whole cold start, one asked for once in four minutes an
+# eighth. In the bench a model stayed warm on a replica 47 s from load to park (the median of
+# 30; a third under 30 s: harness-ray-30 to -32). Priced flat, a park at a quarter, a rare
+# model's start parked the second busiest one (harness-ray-32 at 167 s); with parks alone
+# priced, the two busiest models shared a replica, each start of one shrinking the other's
+# pool, while the other replica served the rest (harness-ray-36: 0.72x of one process).
 PARK_HORIZON_S = 30.0
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,9 +136,9 @@ class ColdStart:
 
     waits: bool = False             # for a busy model's turn (TURN_S), which then drains it
     parks: tuple[str, ...] = ()     # idle models it parks, whose next requests read them again
-    # idle models whose pools it shrinks, with the share of each pool it takes: their next
-    # requests read that share again
-    squeezes: tuple[tuple[str, float], ...] = ()
+    # idle models whose pools it shrinks -> the share of each pool it takes (their next
+    # requests read that share again)
+    squeezes: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class MemoryPolicy:
@@ -223,32 +224,36 @@ class MemoryPolicy:
         return Admitted(view, tuple(parked), (model.name,))
 
     def cold_start(self, view: MemoryView, name: str) -> ColdStart:
-        """How a request for the cold model `name` would start if it arrived now: admission
-        as `admit` runs it, with the request counted."""
+        """How a request for the cold model `name` would start if it arrived now: `admit` on
+        the view with the request counted, so it waits behind a cold model waiting already.
+        Squeezes count idle pools alone, each down to top_k: room a plan would take from
+        busy pools above their run sizes goes unpriced."""
         model = dataclasses.replace(_find(view, name), has_work=True, oldest_arrival=view.now)
-        room = self.make_room(view, model)
-        if not room.load:
+        counted = dataclasses.replace(view, models=tuple(model if m.name == name else m
+                                                         for m in view.models))
+        admitted = self.admit(counted)
+        if name not in admitted.load:
             return ColdStart(waits=True)
-        return ColdStart(parks=room.park, squeezes=self._squeezes(room.view, model))
+        return ColdStart(parks=admitted.park, squeezes=self._squeezes(admitted.view, model))
 
-    def _squeezes(self, view: MemoryView, model: ModelView) -> tuple[tuple[str, float], ...]:
+    def _squeezes(self, view: MemoryView, model: ModelView) -> dict[str, float]:
         """The idle pools that would give `model` the room it takes beyond what is free now
         (least valued first, as parking goes), with the share of each pool taken."""
         budget = self.budget(view)
         if budget is None:
-            return ()
-        used = sum(m.dense_nbytes + m.num_slots * m.expert_nbytes for m in view.holding())
+            return {}
+        holding = [m for m in view.holding() if m.name != model.name]
+        used = sum(m.dense_nbytes + m.num_slots * m.expert_nbytes for m in holding)
         short = used + self.admission_bytes(model, budget) - budget
-        squeezes = []
-        for m in sorted((m for m in view.holding() if m.is_idle_warm), key=self.park_order):
+        squeezes = {}
+        for m in sorted((m for m in holding if m.is_idle_warm), key=self.park_order):
             if short <= 0:
                 break
-            pool = m.num_slots * m.expert_nbytes
             taken = min(short, max(0, m.num_slots - m.top_k) * m.expert_nbytes)
             if taken:
-                squeezes.append((m.name, taken / pool))
+                squeezes[m.name] = taken / (m.num_slots * m.expert_nbytes)
                 short -= taken
-        return tuple(squeezes)
+        return squeezes
 
     def park_order(self, model: ModelView) -> tuple:
         return (model.request_rate, model.last_active)

@@ -105,7 +105,10 @@ class Router:
         # driver sets it): it, or weights that landed, end a run of decode steps
         self.outside_waiting: Callable[[], bool] = lambda: False
         self._next_plan = -math.inf
-        self._cold_starts: dict[str, ColdStart] = {}     # as of the last plan
+        # how a request for each cold model would start (`snapshot`'s `cold_start`), as of
+        # the last plan, park or load; read on the event loop, replaced whole on this thread
+        self._cold_starts: dict[str, ColdStart] = {}
+        self._cold_starts_stale = False
         for name, path in models.items():
             self.add_model(name, path, (settings or {}).get(name))
 
@@ -289,6 +292,8 @@ class Router:
         self._try_start_loads()
         if now >= self._next_plan:
             self.replan()
+        if self._cold_starts_stale:
+            self._refresh_cold_starts()
         try:
             stepped = self.engine.step()
         except CheckpointError as e:       # a file damaged or lost while the model was warm
@@ -510,14 +515,19 @@ class Router:
             model.decoder.drop_graphs()          # (their memory back now, not at collection)
         model.decoder, model.state = None, ModelState.COLD
         self.residency.apply({model.name: 0})
+        self._cold_starts_stale = True
         self.timeline.event(ModelEvent("park", self.clock(), model.name, why=why))
 
     # ---- memory ------------------------------------------------------------------------
     def replan(self) -> None:
         """Every pool's slots from the policy (admission is `_try_start_loads`'s), and how
-        each cold model would start now (`snapshot`'s `cold_start`)."""
+        each cold model would start beside them."""
+        self._apply(MemoryPlan(self.policy.plan_slots(self._view())))
+        self._refresh_cold_starts()
+
+    def _refresh_cold_starts(self) -> None:
+        self._cold_starts_stale = False
         view = self._view()
-        self._apply(MemoryPlan(self.policy.plan_slots(view)))
         self._cold_starts = {m.name: self.policy.cold_start(view, m.name)
                              for m in view.models if m.state == ModelState.COLD}
 
@@ -529,6 +539,7 @@ class Router:
         loading = [self.models[name] for name in plan.load]
         for model in loading:
             self._mark_loading(model)
+        self._cold_starts_stale = True
         self._next_plan = self.clock() + self.config.plan_period_s
         self.residency.apply(plan.slots)
         if self.policy.plans_host_cache:
@@ -572,7 +583,7 @@ class Router:
                "dense_resident": model.state == ModelState.WARM,
                "dense_bytes": model.dense_nbytes, "num_loads": model.num_loads}
         if model.state == ModelState.COLD:
-            start = self._cold_start(model.name)
+            start = self._cold_starts.get(model.name, ColdStart())
             out["cold_start"] = {"waits": start.waits, "parks": list(start.parks),
                                  "squeezes": dict(start.squeezes)}
         if model.pool is not None:
@@ -583,13 +594,6 @@ class Router:
         if host_bytes is not None:
             out["host_cache_bytes"] = host_bytes
         return out
-
-    def _cold_start(self, name: str) -> ColdStart:
-        """The last plan's outlook for a cold model; with nothing holding memory (and so no
-        plan since), its room is free."""
-        if not any(m.holds_device_memory for m in self.models.values()):
-            return ColdStart()
-        return self._cold_starts.get(name, ColdStart())
 
     def shutdown(self) -> None:
         self._loader.shutdown()

@@ -139,4 +139,3 @@ def _special_tokens(config: dict) -> dict[str, object]:
         tokens["additional_special_tokens"] = [t for t in map(token_text, additional)
                                                if t is not None]
     return tokens
-

@@ -15,6 +15,7 @@ import pytest
 from mox.cli import main
 from mox.model_import import format_bytes, is_staging_of, staging_folders
 from mox.registry import Registry
+from tests.conftest import default_sigint
 
 READY_TIMEOUT_S = 30             # bound on the importer's start (imports torch) and repack
 # A real `mox models import` that stops once the repacked copy is complete in its staging
@@ -43,7 +44,7 @@ def hung_import(tmp_path, home, demo_path):
     err = tmp_path / "stderr"
     with open(err, "wb") as stderr:
         proc = subprocess.Popen([sys.executable, "-c", HUNG_IMPORT, "q2", home, ready],
-                                stderr=stderr)
+                                stderr=stderr, preexec_fn=default_sigint)
     proc.stderr_path = err
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

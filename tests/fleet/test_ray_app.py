@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mox.demo import ensure_demo_models
 from mox.fleet.messages import REPLICA_HEADER
 from mox.registry import Registry
+from tests.conftest import default_sigint
 
 MODELS = ("olmoe-demo", "qwen2-moe-demo")
 API_KEY = "fleet-key"
@@ -48,7 +49,8 @@ def fleet(demo_home, tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "mox.cli", "serve", "--ray", "--replicas", "2", "--home", home,
          "--port", str(port), "--api-key", API_KEY, "--kv-memory", "64MiB",
-         "--models-per-replica", "2"], stdout=subprocess.DEVNULL, stderr=log)
+         "--models-per-replica", "2"], stdout=subprocess.DEVNULL, stderr=log,
+        preexec_fn=default_sigint)
     try:
         _wait_for(lambda: process.poll() is not None or "serving 2 models on" in _read(log_path),
                   "mox serve --ray serving")

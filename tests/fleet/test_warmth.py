@@ -109,8 +109,9 @@ def test_warm_elsewhere_beats_home_and_a_long_home_queue_sends_the_start_elsewhe
 
 
 def test_a_cold_start_that_would_cost_the_replicas_other_models_ranks_lower():
-    # the queue that sends a warm model's request on to an idle replica ...
-    long_queue = int(2 * QUEUE_PER_WARMTH)
+    # the queue that sends a warm model's request on to an idle replica (whichever is the
+    # model's home) ...
+    long_queue = int(1.5 * QUEUE_PER_WARMTH)
     for cost, spills in ((0.0, True), (0.1, True), (WAIT_COST, False)):
         candidates = [Candidate("warm", _report(long_queue, a=1.0)),
                       Candidate("other", _report(0, {"a": cost}, a=0.0))]

@@ -186,10 +186,15 @@ def test_cold_start_says_whether_a_request_would_wait_and_what_it_would_park():
     squeezed = rate.cold_start(view(roomier, idle, cold), "cold")
     need = rate.admission_bytes(dataclasses.replace(cold, has_work=True), roomier)
     short = DENSE + ALL * EXPERT + need - roomier
-    assert squeezed == ColdStart(squeezes=(("idle", short / (ALL * EXPERT)),))
+    assert squeezed == ColdStart(squeezes={"idle": short / (ALL * EXPERT)})
     assert 0 < short < ALL * EXPERT
     # the outlook is admission's: the same view with the request counted admits it or not
-    for v, outlook in ((view(budget, idle, cold), True), (view(budget, busy, cold), False)):
+    for v in (view(budget, idle, cold), view(budget, busy, cold)):
         waiting = dataclasses.replace(v.models[-1], has_work=True, oldest_arrival=0.0)
         counted = view(budget, *v.models[:-1], waiting)
-        assert bool(rate.admit(counted).load) == outlook
+        assert bool(rate.admit(counted).load) == (not rate.cold_start(v, "cold").waits)
+    # ... so a request waits behind a cold model waiting already, though it would fit alone
+    small = model("small", ModelState.COLD, curve=STEEP)
+    waiter = dataclasses.replace(cold, has_work=True, oldest_arrival=0.0)
+    assert rate.cold_start(view(roomier, busy, small), "small") == ColdStart()
+    assert rate.cold_start(view(roomier, busy, waiter, small), "small") == ColdStart(waits=True)
