@@ -43,6 +43,7 @@ from mox.bench.loadtest.workload import (
 from mox.demo import ensure_demo_models, ensure_expert_major, ensure_quantized
 from mox.loaders.page_cache import evict
 from mox.registry import Registry, validate_checkpoint
+from mox.router.timeline import replica_step_log
 
 SERVING_LINE = re.compile(r"serving \d+ models on http://(?P<host>[^:/\s]+):(?P<port>\d+)/v1")
 STARTUP_TIMEOUT_S = 120.0        # import torch, open every checkpoint's headers
@@ -144,8 +145,7 @@ class ServerProcess:
     async def __aenter__(self) -> ServerProcess:
         # the server appends to its step log: a log left by an earlier run into the same
         # folder would be summarized as this run's
-        stem = self.step_log.removesuffix(".steps.jsonl")
-        for path in [self.step_log, *glob.glob(f"{stem}-*.steps.jsonl")]:   # a fleet's replicas'
+        for path in [self.step_log, *glob.glob(replica_step_log(self.step_log, "*"))]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         self._process = await asyncio.create_subprocess_exec(

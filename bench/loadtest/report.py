@@ -15,6 +15,7 @@ from mox.bench.loadtest.results_schema import PolicyResult, Results, Suite, Targ
 from mox.bench.loadtest.routing_stats import RoutingStats
 from mox.bench.loadtest.step_summary import table as step_table
 from mox.bench.loadtest.tail import decode_table, ttft_table
+from mox.router.timeline import replica_step_log
 
 RESULTS_FILE, MARKDOWN_FILE = "results.json", "results.md"
 
@@ -26,10 +27,12 @@ def write_report(results: Results, out: str) -> list[str]:
     with open(paths[0], "wb") as f:
         f.write(msgspec.json.encode(results) + b"\n")
     plots = [p for suite in results.suites for p in plot_suite(suite, out)]
-    # a fleet's replicas each write `<suite>-<policy>-<replica>`
+    # a fleet's replicas each write their own (mox.router.timeline.replica_step_log)
+    names = [(f"{suite.name}-{policy.policy}", policy.replicas) for suite in results.suites
+             for policy in suite.policies]
     steps = step_table(os.path.join(out, "logs"),
-                       [f"{suite.name}-{policy.policy}{'-*' if policy.replicas else ''}"
-                        for suite in results.suites for policy in suite.policies])
+                       [replica_step_log(name, "*") if replicas else name
+                        for name, replicas in names])
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(markdown(results, [os.path.basename(p) for p in plots]))
         if steps.count("\n") > 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -64,7 +65,7 @@ def summarize(records: list[StepRecord]) -> StepSummary:
         sum(r.bytes_read for r in records) / MiB, mean([len(m) for m in windows.values()]))
 
 
-def table(logs_dir: str, names: list[str] = ("*",)) -> str:
+def table(logs_dir: str, names: Sequence[str] = ("*",)) -> str:
     """One row per step log `logs_dir/<name>.steps.jsonl` of `names` (glob patterns: a
     report's are its run's suites and policies, as an earlier run into the same folder may
     have left others)."""

@@ -26,6 +26,7 @@ from mox.fleet.directory import REPORT_PERIOD_S, directory
 from mox.fleet.messages import REPLICA_HEADER, Exchange, ResponseHead, end_to_end
 from mox.fleet.warmth import replica_report, warm_on_another
 from mox.messages import ModelState
+from mox.router.timeline import replica_step_log
 from mox.serve import RouterBackend, ServeOptions, start_serving
 from mox.server.app import METRICS
 
@@ -141,14 +142,11 @@ class MoxReplica:
 
 def _own_step_log(options: ServeOptions, replica_id: str) -> ServeOptions:
     """`--step-log run.steps.jsonl` -> `run-<replica>.steps.jsonl`: one timeline per engine
-    (the id goes before the file name's first dot)."""
+    (mox.router.timeline.replica_step_log)."""
     path = options.router.step_log
     if not path:
         return options
-    folder, name = os.path.split(path)
-    stem, dot, rest = name.partition(".")
-    own = os.path.join(folder, f"{stem}-{replica_id}{dot}{rest}")
-    router = dataclasses.replace(options.router, step_log=own)
+    router = dataclasses.replace(options.router, step_log=replica_step_log(path, replica_id))
     return dataclasses.replace(options, router=router)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,14 @@ class Timeline:
     def close(self) -> None:
         if self._sink is not None:
             self._sink.close()
+
+
+def replica_step_log(path: str, replica: str) -> str:
+    """`run.steps.jsonl` -> `run-<replica>.steps.jsonl`: one timeline per engine of a fleet
+    (the replica goes before the file name's first dot; "*" gives the glob of them all)."""
+    folder, name = os.path.split(path)
+    stem, dot, rest = name.partition(".")
+    return os.path.join(folder, f"{stem}-{replica}{dot}{rest}")
 
 
 def read_log(path: str) -> tuple[list[StepRecord], list[ModelEvent]]:

@@ -242,7 +242,7 @@ def test_all_resident_is_refused_where_the_weights_exceed_ram():
 
 def test_step_summary_reads_a_step_log(tmp_path):
     from mox.bench.loadtest.step_summary import summarize, table
-    from mox.router.timeline import ModelEvent, StepRecord
+    from mox.router.timeline import ModelEvent, StepRecord, replica_step_log
 
     records = [ModelEvent("load", 0.0, "a", preload=64, stream=True),     # events are skipped
                StepRecord(0.0, "a", 2, 40, 40, 0.5, 0.4, 0.1, 8, 2, 8 << 20),
@@ -266,9 +266,12 @@ def test_step_summary_reads_a_step_log(tmp_path):
     (tmp_path / "uniform-lru.steps.jsonl").write_bytes(path.read_bytes())
     assert "uniform-lru" in table(str(tmp_path))
     assert "uniform-lru" not in table(str(tmp_path), ["uniform-rate"])
-    # a fleet's replicas each write their own
-    (tmp_path / "uniform-rate-ray2-r0.steps.jsonl").write_bytes(path.read_bytes())
-    assert "| uniform-rate-ray2-r0 |" in table(str(tmp_path), ["uniform-rate-ray2-*"])
+    # a fleet's replicas each write their own, named as the report looks for them
+    replica = replica_step_log(str(tmp_path / "uniform-rate-ray2.steps.jsonl"), "r0")
+    assert replica == str(tmp_path / "uniform-rate-ray2-r0.steps.jsonl")
+    shutil.copyfile(path, replica)
+    assert "| uniform-rate-ray2-r0 |" in table(str(tmp_path),
+                                               [replica_step_log("uniform-rate-ray2", "*")])
 
 
 def test_a_quantized_suite_serves_quantized_copies_at_the_bf16_budget(tmp_path):
