@@ -107,8 +107,11 @@ class MemoryView:
         return [m for m in self.models if m.holds_device_memory]
 
     def with_state(self, name: str, state: ModelState) -> MemoryView:
-        models = tuple(dataclasses.replace(m, state=state) if m.name == name else m
-                       for m in self.models)
+        return self.with_model(dataclasses.replace(_find(self, name), state=state))
+
+    def with_model(self, model: ModelView) -> MemoryView:
+        """The view with `model` in place of the model of its name."""
+        models = tuple(model if m.name == model.name else m for m in self.models)
         return dataclasses.replace(self, models=models)
 
 
@@ -229,9 +232,7 @@ class MemoryPolicy:
         Squeezes count idle pools alone, each down to top_k: room a plan would take from
         busy pools above their run sizes goes unpriced."""
         model = dataclasses.replace(_find(view, name), has_work=True, oldest_arrival=view.now)
-        counted = dataclasses.replace(view, models=tuple(model if m.name == name else m
-                                                         for m in view.models))
-        admitted = self.admit(counted)
+        admitted = self.admit(view.with_model(model))
         if name not in admitted.load:
             return ColdStart(waits=True)
         return ColdStart(parks=admitted.park, squeezes=self._squeezes(admitted.view, model))
