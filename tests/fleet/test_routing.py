@@ -59,7 +59,7 @@ async def _route_burst(models: str, rng: random.Random) -> tuple[list[tuple[str,
 
 def test_a_burst_of_two_models_lands_each_request_where_its_model_is_warm():
     # (with Ray's FIFOMixin, a replica chosen for a request another routing task had placed
-    # went to the oldest pending request of either model: 6 of these 40 were misplaced)
+    # went to the oldest pending request of either model: 14 of these 40 were misplaced)
     placed, held = asyncio.run(_route_burst("ab" * 20, random.Random(0)))
     assert len(placed) == 40
     assert [replica for _, replica in placed] == [f"r-{model}" for model, _ in placed]
